@@ -1,0 +1,23 @@
+"""Errors Tessera raises for bad input, so users can catch them by type."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class PlanError(ValueError):
+    """A Plan (or an argument that depends on it) is invalid.
+
+    The message names the field, what was expected and how to fix it.
+    """
+
+
+class NotSupportedYet(PlanError):
+    """A Plan field asks for a feature that has not landed yet."""
+
+
+def nearest(name: str, valid: Iterable[str]) -> str:
+    """Return ' (did you mean "x"?)' for the closest valid name, or ''."""
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f' (did you mean "{match[0]}"?)' if match else ""

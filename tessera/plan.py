@@ -1,0 +1,275 @@
+"""The Plan: a plain, serialisable description of how one training job is laid out.
+
+Presets and (later) the planner produce Plans; the Booster only reads them.
+A Plan is a frozen dataclass tree that validates itself on construction and
+round-trips through JSON and YAML.
+
+Example:
+    >>> plan = Plan(zero=3, precision="bf16", dp_shares=(3, 1))
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import NotSupportedYet, PlanError, nearest
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
+RECOMPUTE = ("none", "selective", "full")
+SP_MODES = ("split_gather", "all_to_all")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"Plan.{name} must be an integer, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise PlanError(f"Plan.{name} must be >= {minimum}, got {value}.")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = nearest(str(value), choices)
+        raise PlanError(f"Plan.{name}={value!r} is not one of {', '.join(choices)}{hint}.")
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists from JSON/YAML become tuples so a Plan stays hashable and frozen."""
+    if isinstance(value, list):
+        return tuple(_as_tuple(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How the model is cut into pipeline stages and scheduled.
+
+    ``stages`` holds one ``(first_layer, end_layer)`` half-open range per stage;
+    stages may be uneven. ``None`` means "split the layers evenly".
+    """
+
+    stages: tuple[tuple[int, int], ...] | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", _as_tuple(self.stages))
+        _check_int("pipeline.microbatches", self.microbatches)
+        _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
+        if self.stages is not None:
+            for i, stage in enumerate(self.stages):
+                if (
+                    not isinstance(stage, tuple)
+                    or len(stage) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in stage)
+                    or not 0 <= stage[0] < stage[1]
+                ):
+                    raise PlanError(
+                        f"Plan.pipeline.stages[{i}]={stage!r} must be a layer range (first, end) with 0 <= first < end."
+                    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one training job is laid out over the ranks of a process group.
+
+    Fields:
+        dp: data-parallel size; ``None`` fills every rank left by tp × pp × sp.
+        tp, pp, sp: tensor-, pipeline- and sequence-parallel sizes.
+        sp_mode: ``"split_gather"`` (Megatron) or ``"all_to_all"`` (Ulysses).
+        zero: ZeRO stage 0–3 over the data-parallel axis (0 is plain DDP).
+        offload: keep sharded state on the CPU between uses.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (dynamic loss scaling).
+        dp_shares: relative number of samples each data-parallel rank takes
+            from every global batch, e.g. ``(3, 1)``; ``None`` means equal.
+        pipeline: stage layer ranges, micro-batch count and schedule.
+        recompute: activation recompute, ``"none"``, ``"selective"`` or ``"full"``.
+        device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda"``.
+        rank_devices: optional device label per global rank (heterogeneous clusters).
+    """
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    sp_mode: str = "split_gather"
+    zero: int = 0
+    offload: bool = False
+    precision: str = "fp32"
+    dp_shares: tuple[int, ...] | None = None
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    recompute: str = "none"
+    device: str = "auto"
+    rank_devices: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dp_shares", _as_tuple(self.dp_shares))
+        object.__setattr__(self, "rank_devices", _as_tuple(self.rank_devices))
+        if isinstance(self.pipeline, dict):
+            object.__setattr__(self, "pipeline", _from_dict(PipelineSpec, self.pipeline, "pipeline"))
+        if self.dp is not None:
+            _check_int("dp", self.dp)
+        for name in ("tp", "pp", "sp"):
+            _check_int(name, getattr(self, name))
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or not 0 <= self.zero <= 3:
+            raise PlanError(f"Plan.zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}.")
+        if not isinstance(self.offload, bool):
+            raise PlanError(f"Plan.offload must be true or false, got {self.offload!r}.")
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("sp_mode", self.sp_mode, SP_MODES)
+        _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("device", self.device, DEVICES)
+        if not isinstance(self.pipeline, PipelineSpec):
+            raise PlanError(f"Plan.pipeline must be a PipelineSpec, got {type(self.pipeline).__name__}.")
+        if self.dp_shares is not None:
+            if not isinstance(self.dp_shares, tuple) or not self.dp_shares:
+                raise PlanError(f"Plan.dp_shares must be a list of positive integers, got {self.dp_shares!r}.")
+            for i, share in enumerate(self.dp_shares):
+                if isinstance(share, bool) or not isinstance(share, int) or share <= 0:
+                    raise PlanError(
+                        f"Plan.dp_shares[{i}]={share!r}: every share must be a positive integer "
+                        "(a slow device gets a smaller share, never zero or less)."
+                    )
+            if self.dp is not None and len(self.dp_shares) != self.dp:
+                raise PlanError(
+                    f"Plan.dp_shares has {len(self.dp_shares)} entries but Plan.dp={self.dp}: "
+                    "give one share per data-parallel rank."
+                )
+        if self.offload and self.zero == 0:
+            raise PlanError(
+                "Plan.offload=True needs a ZeRO stage (Plan.zero=1, 2 or 3): DDP keeps everything on the device."
+            )
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one replica of the model (tp × pp × sp)."""
+        return self.tp * self.pp * self.sp
+
+    def resolve(self, world_size: int) -> Plan:
+        """Return this Plan with ``dp`` filled in for ``world_size`` ranks, checking the product."""
+        mp = self.model_parallel_size
+        dp = self.dp
+        if dp is None:
+            if world_size % mp:
+                raise PlanError(
+                    f"world size {world_size} is not divisible by tp×pp×sp={mp}: "
+                    "change Plan.tp/pp/sp or the number of ranks."
+                )
+            dp = world_size // mp
+        if dp * mp != world_size:
+            raise PlanError(
+                f"Plan.dp×tp×pp×sp = {dp}×{self.tp}×{self.pp}×{self.sp} = {dp * mp} but the job has "
+                f"{world_size} ranks: make the product equal the world size (or leave Plan.dp unset)."
+            )
+        if self.dp_shares is not None and len(self.dp_shares) != dp:
+            raise PlanError(
+                f"Plan.dp_shares has {len(self.dp_shares)} entries but the data-parallel size is {dp} "
+                f"({world_size} ranks / tp×pp×sp={mp}): give one share per data-parallel rank."
+            )
+        if self.rank_devices is not None and len(self.rank_devices) != world_size:
+            raise PlanError(
+                f"Plan.rank_devices names {len(self.rank_devices)} devices but the job has {world_size} ranks."
+            )
+        return dataclasses.replace(self, dp=dp)
+
+    def shares(self, dp: int | None = None) -> tuple[int, ...]:
+        """Relative samples per data-parallel rank (all ones when the plan is even)."""
+        dp = dp or self.dp
+        if dp is None:
+            raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
+        return self.dp_shares if self.dp_shares is not None else (1,) * dp
+
+    def check_supported(self) -> None:
+        """Refuse fields whose feature has not landed yet, instead of ignoring them."""
+        unsupported = {
+            "tp": (self.tp != 1, "tensor parallelism"),
+            "pp": (self.pp != 1, "pipeline parallelism"),
+            "sp": (self.sp != 1, "sequence parallelism"),
+            "pipeline": (self.pipeline != PipelineSpec(), "pipeline stages and schedules"),
+            "recompute": (self.recompute != "none", "activation recompute"),
+        }
+        for name, (asked, feature) in unsupported.items():
+            if asked:
+                raise NotSupportedYet(
+                    f"Plan.{name}={getattr(self, name)!r}: {feature} is not supported yet in this "
+                    f"version of Tessera; leave Plan.{name} at its default."
+                )
+
+    # --------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the Plan (tuples become lists), ready for JSON/YAML."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Build a Plan from a dict; unknown keys are errors naming the nearest valid key."""
+        return _from_dict(cls, data, "")
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"Plan JSON is malformed: {exc}") from None
+        return cls.from_dict(data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Plan:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PlanError(f"Plan YAML is malformed: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the Plan as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
+        path = Path(path)
+        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"Plan file {str(path)!r} does not exist.")
+        text = path.read_text()
+        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+
+def _from_dict(cls: type, data: Any, prefix: str) -> Any:
+    where = f"Plan.{prefix}" if prefix else "Plan"
+    if not isinstance(data, dict):
+        raise PlanError(f"{where} must be a mapping of field names to values, got {type(data).__name__}.")
+    names = {f.name for f in fields(cls)}
+    for key in data:
+        if key not in names:
+            raise PlanError(
+                f"{where} has no field {key!r}{nearest(str(key), names)}; valid fields: {', '.join(sorted(names))}."
+            )
+    return cls(**{k: _as_tuple(v) for k, v in data.items()})

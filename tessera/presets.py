@@ -1,0 +1,35 @@
+"""Presets: one-line ways to get a Plan for common layouts.
+
+Example:
+    >>> ZeRO(stage=3, offload=True).zero
+    3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tessera.errors import PlanError
+from tessera.plan import Plan
+
+
+def _shares(dp_shares: Sequence[int] | None) -> tuple[int, ...] | None:
+    return tuple(dp_shares) if dp_shares is not None else None
+
+
+def DDP(precision: str = "fp32", dp_shares: Sequence[int] | None = None, device: str = "auto") -> Plan:
+    """Plain data parallelism: every rank holds the whole model and optimizer."""
+    return Plan(zero=0, precision=precision, dp_shares=_shares(dp_shares), device=device)
+
+
+def ZeRO(
+    stage: int = 3,
+    offload: bool = False,
+    precision: str = "fp32",
+    dp_shares: Sequence[int] | None = None,
+    device: str = "auto",
+) -> Plan:
+    """ZeRO data parallelism: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise PlanError(f"ZeRO(stage={stage!r}): stage must be 1, 2 or 3 (use tessera.DDP() for stage 0).")
+    return Plan(zero=stage, offload=offload, precision=precision, dp_shares=_shares(dp_shares), device=device)
