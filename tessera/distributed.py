@@ -1,0 +1,77 @@
+"""Process-group set-up: backend and device come from what the machine has.
+
+``tessera.init()`` is called once per process (it is idempotent). Under
+``torchrun`` it joins the launched job; in a plain ``python`` process it makes
+a one-rank group so the same training code runs unchanged on one device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from tessera.errors import PlanError
+
+
+def accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """The device this rank computes on: CUDA (one per local rank) when present, else CPU."""
+    if requested == "cuda" and not accelerator_available():
+        raise PlanError(
+            'Plan.device="cuda" but this machine has no CUDA device: use device="auto" '
+            '(CUDA when present, else CPU) or device="cpu".'
+        )
+    if requested in ("auto", "cuda") and accelerator_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def default_backend() -> str:
+    return "nccl" if accelerator_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Join (or create) the default process group; safe to call more than once.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; chosen from the machine when ``None``.
+        timeout_s: how long a collective may wait for a missing peer before failing.
+
+    Example:
+        >>> import tessera
+        >>> tessera.init()          # under torchrun: joins the job; alone: a 1-rank group
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend == "nccl" and not accelerator_available():
+        raise PlanError('backend="nccl" needs CUDA devices; this machine has none: use "gloo".')
+    if "RANK" not in os.environ:
+        # A plain single process: make a one-rank group so the same code path runs.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(pick_device("cuda"))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
