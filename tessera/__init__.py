@@ -1,0 +1,18 @@
+"""Tessera: scale ordinary PyTorch training code with one Plan → runtime path.
+
+Example:
+    >>> import tessera
+    >>> tessera.init()
+    >>> booster = tessera.Booster(tessera.ZeRO(stage=2, precision="bf16"))
+"""
+
+from tessera import memory
+from tessera.booster import Booster
+from tessera.distributed import init
+from tessera.errors import NotSupportedYet, PlanError
+from tessera.plan import PipelineSpec, Plan
+from tessera.presets import DDP, ZeRO
+
+__version__ = "0.1.0"
+
+__all__ = ["Booster", "DDP", "NotSupportedYet", "PipelineSpec", "Plan", "PlanError", "ZeRO", "init", "memory"]

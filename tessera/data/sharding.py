@@ -1,0 +1,129 @@
+"""Split each global batch across data-parallel ranks in proportion to their shares.
+
+With shares ``(3, 1)`` and a global batch of 32, rank 0 takes the first 24
+samples of every global batch and rank 1 the last 8. The union over ranks is
+exactly the global batch a single process would see, so the layout never
+changes the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from tessera.errors import PlanError
+
+
+def split_batch(global_batch_size: int, shares: Sequence[int]) -> list[int]:
+    """Samples per data-parallel rank; refuses a batch that does not split exactly."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
+        raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
+    total = sum(shares)
+    if global_batch_size < len(shares):
+        raise PlanError(
+            f"global_batch_size={global_batch_size} is smaller than the {len(shares)} data-parallel ranks: "
+            "every rank needs at least one sample."
+        )
+    if global_batch_size % total:
+        lower = global_batch_size - global_batch_size % total
+        raise PlanError(
+            f"global_batch_size={global_batch_size} cannot be split in the proportions Plan.dp_shares="
+            f"{tuple(shares)} (sum {total}): use a multiple of {total}, e.g. {lower or total} or {lower + total}."
+        )
+    return [global_batch_size * s // total for s in shares]
+
+
+class ShareBatchSampler(Sampler[list[int]]):
+    """Yields this rank's indices of each global batch; a new seeded shuffle every epoch."""
+
+    def __init__(
+        self,
+        dataset_len: int,
+        global_batch_size: int,
+        shares: Sequence[int],
+        dp_rank: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        sizes = split_batch(global_batch_size, shares)
+        if dataset_len < global_batch_size:
+            raise PlanError(
+                f"the dataset has {dataset_len} samples, fewer than one global batch of {global_batch_size}: "
+                "lower global_batch_size or add data."
+            )
+        self.dataset_len = dataset_len
+        self.global_batch_size = global_batch_size
+        self.offset = sum(sizes[:dp_rank])
+        self.local_batch_size = sizes[dp_rank]
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.dataset_len // self.global_batch_size  # the last partial global batch is dropped
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g)
+        else:
+            order = torch.arange(self.dataset_len)
+        for b in range(len(self)):
+            start = b * self.global_batch_size + self.offset
+            yield order[start : start + self.local_batch_size].tolist()
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+class ShardedLoader:
+    """Iterates this rank's share of every global batch, already on the rank's device."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: ShareBatchSampler,
+        device: torch.device,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        self.sampler = sampler
+        self.device = device
+        self.loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=device.type == "cuda",
+        )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.sampler.global_batch_size
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.sampler.local_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield to_device(batch, self.device)

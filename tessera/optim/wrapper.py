@@ -1,0 +1,119 @@
+"""The optimizer the Booster hands back: the user's optimizer, layout-aware.
+
+It is a ``torch.optim.Optimizer`` (so LR schedulers accept it) that delegates
+to the real one — the user's class rebuilt on the wrapped model's parameters,
+or a ZeRO-1 ShardedOptimizer — and, for fp16, skips a step whose gradients
+overflowed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.errors import PlanError
+from tessera.precision import DynamicLossScaler
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, new_param: Callable[[nn.Parameter], nn.Parameter]
+) -> list[dict[str, Any]]:
+    """The optimizer's param groups with every parameter replaced by ``new_param(p)``."""
+    if optimizer.state:
+        raise PlanError(
+            "boost() needs an optimizer that has not stepped yet (its state is not empty): create the "
+            "optimizer, boost, then train; to continue a run, load a checkpoint after boost()."
+        )
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [new_param(p) for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[list[dict[str, Any]]], torch.optim.Optimizer]:
+    """A function building the same optimizer class, with the same defaults, on new param groups."""
+    cls = type(optimizer)
+    signature = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
+    # Some defaults are not constructor arguments (AdamW's decoupled_weight_decay): the
+    # param groups carry every value anyway, so pass only what the constructor accepts.
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in signature}
+
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        try:
+            return cls(groups, **defaults)
+        except TypeError as exc:
+            raise PlanError(
+                f"cannot rebuild {cls.__name__} on the sharded parameters ({exc}); its constructor must "
+                "accept (params, **optimizer.defaults) like torch.optim optimizers do."
+            ) from None
+
+    return build
+
+
+class BoostedOptimizer(torch.optim.Optimizer):
+    """Wraps the real optimizer; ``step``, ``zero_grad`` and ``param_groups`` work as usual."""
+
+    def __init__(
+        self,
+        inner: Any,
+        model_params: list[nn.Parameter],
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        # Deliberately no super().__init__: all state lives in ``inner``.
+        self.inner = inner
+        self.model_params = model_params
+        self.scaler = scaler
+        self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
+        self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
+        self.skipped_steps = 0
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise NotImplementedError("Tessera optimizers do not take a closure: compute the loss before step().")
+        if self.scaler is not None:
+            overflow = self.scaler.unscale_(self.model_params)
+            self.scaler.update()
+            if overflow:
+                self.skipped_steps += 1  # parameters and optimizer state stay untouched
+                return None
+        self.inner.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise PlanError("add parameter groups before boost(): the optimizer is already laid out for the Plan.")
+
+    def __repr__(self) -> str:
+        return f"BoostedOptimizer({self.inner!r})"

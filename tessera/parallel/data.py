@@ -1,0 +1,99 @@
+"""Apply the data-parallel part of a Plan: DDP, ZeRO-1, ZeRO-2 or ZeRO-3.
+
+Engines (see docs/architecture.md for why):
+    zero=0  torch DDP
+    zero=1  torch DDP for gradients + our ShardedOptimizer (optimizer state 1/N)
+    zero=2  FSDP2 ``fully_shard(reshard_after_forward=False)``
+    zero=3  FSDP2 ``fully_shard`` (parameters resharded after forward)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from tessera.distributed import accelerator_available
+from tessera.plan import Plan
+from tessera.precision import DTYPES
+
+
+def uses_fsdp(plan: Plan) -> bool:
+    return plan.zero >= 2
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: children of the outermost ModuleLists of same-typed modules.
+
+    Each gets its own FSDP2 unit, so only one block's full parameters exist at a time.
+    """
+    blocks: list[nn.Module] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            if any(True for _ in module[0].parameters()):
+                blocks.extend(module)
+                taken.append(name)
+    return blocks
+
+
+def _autocast_forward(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Run ``model.forward`` under autocast (fp32 weights, low-precision compute)."""
+    forward = model.forward
+    model.forward = torch.autocast(device_type=device.type, dtype=dtype)(forward)  # type: ignore[method-assign]
+
+
+def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Wrap ``model`` for the Plan's ZeRO stage over the ``dp`` mesh axis."""
+    dtype = DTYPES[plan.precision]
+    if not uses_fsdp(plan):
+        model.to(device)
+        if dtype != torch.float32:
+            _autocast_forward(model, device, dtype)
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=mesh.get_group("dp"),
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy
+        )
+    mp = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=accelerator_available()) if plan.offload else OffloadPolicy()
+    reshard = plan.zero == 3
+    if not plan.offload:
+        model.to(device)
+    for block in repeated_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside any wrapper Tessera added."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally; the next backward outside this context synchronises."""
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

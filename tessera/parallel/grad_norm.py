@@ -1,0 +1,73 @@
+"""The one place gradient norms are computed and clipped.
+
+A gradient is either replicated (every rank holds all of it: DDP, ZeRO-1) or
+sharded as a DTensor (FSDP2: ZeRO-2/3). Sharded parts are summed across the
+ranks that hold them exactly once; replicated parts are counted once locally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _sharded_over(g: DTensor) -> list[int]:
+    return [i for i, p in enumerate(g.placements) if isinstance(p, Shard)]
+
+
+def _partial(t: torch.Tensor, inf_norm: bool) -> torch.Tensor:
+    if not t.numel():
+        return torch.zeros((), device=t.device)
+    return t.abs().max() if inf_norm else t.pow(2).sum()
+
+
+@torch.no_grad()
+def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as if the model were on one device (every rank gets it)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    inf_norm = math.isinf(norm_type)
+    if not inf_norm and norm_type != 2.0:
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    device = grads[0].device if grads else torch.device("cpu")
+    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    # Sharded gradients: one partial sum per (mesh, sharded mesh dims), reduced once over those dims.
+    sharded: dict[tuple, tuple[torch.Tensor, DTensor]] = {}
+    for g in grads:
+        t = (g.to_local() if isinstance(g, DTensor) else g).float()
+        part = _partial(t, inf_norm)
+        if isinstance(g, DTensor) and _sharded_over(g):
+            key = (id(g.device_mesh), tuple(_sharded_over(g)))
+            acc = sharded.setdefault(key, (torch.zeros((), device=t.device), g))[0]
+        else:
+            acc = replicated
+        if inf_norm:
+            torch.maximum(acc, part, out=acc)
+        else:
+            acc += part
+    total = replicated
+    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+    for acc, example in sharded.values():
+        for dim in _sharded_over(example):
+            dist.all_reduce(acc, op=op, group=example.device_mesh.get_group(dim))
+        total = torch.maximum(total, acc) if inf_norm else total + acc
+    return total if inf_norm else total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients in place to ``max_norm`` of the global norm; return that norm.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by
+    ``max_norm / (norm + 1e-6)`` when that is below one.
+    """
+    params = list(params)
+    total = global_grad_norm(params, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
