@@ -1,0 +1,107 @@
+"""Run a function on N real ranks (spawned processes, gloo), for tests and benchmarks.
+
+Example:
+    >>> def work(x):                      # must be importable (module level)
+    ...     import torch.distributed as dist
+    ...     return dist.get_rank() * x
+    >>> run_ranks(work, 2, 10)
+    [0, 10]
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, timeout_s: float
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        import tessera
+
+        tessera.init(timeout_s=timeout_s)
+        result = fn(*args)
+        torch.save({"ok": result}, out)
+    except BaseException:  # report everything, including SystemExit, to the parent
+        torch.save({"error": traceback.format_exc()}, out)
+        raise SystemExit(1) from None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result in rank order.
+
+    A rank that raises makes this raise with that rank's traceback; ranks still
+    running after ``timeout_s`` are killed and a TimeoutError names them
+    (a hung collective fails the test instead of hanging CI).
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as out_dir:
+        procs = [
+            ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, out_dir, args, timeout_s / 2), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = Path(out_dir) / f"rank{r}.pt"
+            record = torch.load(path, weights_only=False) if path.exists() else {"error": None}
+            if "error" in record:
+                errors.append((r, record["error"]))
+            results.append(record.get("ok"))
+        failed = [(r, tb) for r, tb in errors if tb]
+        if failed:
+            report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in failed)
+            raise RuntimeError(
+                f"ranks {[r for r, _ in failed]} of {world_size} failed running {fn.__name__}:\n{report}"
+            )
+        if hung:
+            raise TimeoutError(
+                f"ranks {hung} of {world_size} were still running {fn.__name__} after {timeout_s:.0f}s "
+                "(a collective probably waited for a rank that never arrived); they were killed."
+            )
+        if errors:
+            raise RuntimeError(
+                f"ranks {[r for r, _ in errors]} of {world_size} exited without a result running {fn.__name__}."
+            )
+        return results

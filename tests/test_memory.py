@@ -1,0 +1,76 @@
+"""Acceptance 6: model-state bytes per rank follow the ZeRO stage."""
+
+from __future__ import annotations
+
+import pytest
+from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, loss_fn, make_optimizer
+
+import tessera
+from tessera.testing import run_ranks
+
+WORLD = 4
+
+
+def state_bytes_worker(plan_dict: dict) -> dict:
+    model = build_model("llama")
+    n_params = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
+    model, opt = booster.boost(model, make_optimizer(model.parameters()))
+    batch = next(iter(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH_DEFAULT)))
+    booster.backward(loss_fn(model(batch["x"]), batch["y"]), opt)
+    opt.step()  # optimizer state exists, gradients not yet cleared: the peak model state
+    b = tessera.memory.model_state_bytes(model, opt)
+    return {
+        "total": int(b),
+        "params": b.params,
+        "grads": b.grads,
+        "optimizer": b.optimizer,
+        "n_params": n_params,
+        "n_tensors": n_tensors,
+    }
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, list[dict]]:
+    plans = {
+        "ddp": tessera.DDP(),
+        "zero1": tessera.ZeRO(stage=1),
+        "zero2": tessera.ZeRO(stage=2),
+        "zero3": tessera.ZeRO(stage=3),
+    }
+    return {name: run_ranks(state_bytes_worker, WORLD, plan.to_dict()) for name, plan in plans.items()}
+
+
+def test_ddp_counts_every_byte_once(measured: dict) -> None:
+    r = measured["ddp"][0]
+    fp32 = 4 * r["n_params"]
+    assert r["params"] == fp32
+    assert r["grads"] == fp32  # DDP's buckets hold the gradients: no second copy
+    # AdamW: exp_avg + exp_avg_sq per element, plus one scalar step per tensor.
+    assert r["optimizer"] == 2 * fp32 + 4 * r["n_tensors"]
+
+
+def test_zero3_holds_a_quarter_of_ddp(measured: dict) -> None:
+    ddp = measured["ddp"][0]["total"]
+    for rank, r in enumerate(measured["zero3"]):
+        assert r["total"] <= ddp / WORLD * 1.05, f"rank {rank}: {r['total']} bytes vs DDP {ddp}"
+
+
+def test_zero1_shards_optimizer_state_only(measured: dict) -> None:
+    ddp = measured["ddp"][0]
+    step_scalars = 4 * ddp["n_tensors"]
+    for rank, r in enumerate(measured["zero1"]):
+        assert r["params"] == ddp["params"] and r["grads"] == ddp["grads"]
+        moments = r["optimizer"] - step_scalars
+        assert moments <= (ddp["optimizer"] - step_scalars) / WORLD * 1.05, f"rank {rank}: {r}"
+    total_moments = sum(r["optimizer"] - step_scalars for r in measured["zero1"])
+    assert total_moments == ddp["optimizer"] - step_scalars  # the shards partition the state exactly
+
+
+def test_zero2_shards_gradients_and_optimizer_state(measured: dict) -> None:
+    ddp = measured["ddp"][0]
+    step_scalars = 4 * ddp["n_tensors"]
+    for rank, r in enumerate(measured["zero2"]):
+        assert r["grads"] <= ddp["grads"] / WORLD * 1.05, f"rank {rank}: {r}"
+        assert r["optimizer"] - step_scalars <= (ddp["optimizer"] - step_scalars) / WORLD * 1.05, f"rank {rank}: {r}"
