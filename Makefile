@@ -1,0 +1,30 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch pinned explicitly first: an open range would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tessera demo
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q --durations=10
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tessera tests benchmarks
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/zero_vs_peers.py --json docs/zero_vs_peers.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache
