@@ -226,11 +226,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"Plan JSON is malformed: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(_parse(json.loads, json.JSONDecodeError, "JSON", text))
 
     def to_yaml(self) -> str:
         import yaml
@@ -241,11 +237,7 @@ class Plan:
     def from_yaml(cls, text: str) -> Plan:
         import yaml
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise PlanError(f"Plan YAML is malformed: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(_parse(yaml.safe_load, yaml.YAMLError, "YAML", text))
 
     def save(self, path: str | Path) -> None:
         """Write the Plan as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
@@ -260,6 +252,13 @@ class Plan:
             raise PlanError(f"Plan file {str(path)!r} does not exist.")
         text = path.read_text()
         return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+
+def _parse(load: Any, error: type[Exception], fmt: str, text: str) -> Any:
+    try:
+        return load(text)
+    except error as exc:
+        raise PlanError(f"Plan {fmt} is malformed: {exc}") from None
 
 
 def _from_dict(cls: type, data: Any, prefix: str) -> Any:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from tessera.models import hf
+
 SEQ = 16
 VOCAB = 128
 GLOBAL_BATCH_DEFAULT = 8
@@ -39,43 +41,24 @@ class TokenData(Dataset):
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind in ("llama", "llama_tied"):
         from tessera.models import Llama, LlamaConfig
 
-        return Llama(
-            LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=SEQ)
-        )
-    if kind == "llama_tied":
-        from tessera.models import Llama, LlamaConfig
-
-        return Llama(
-            LlamaConfig(
-                vocab_size=VOCAB,
-                dim=32,
-                n_layers=2,
-                n_heads=4,
-                n_kv_heads=2,
-                ffn_dim=64,
-                max_seq_len=SEQ,
-                tie_embeddings=True,
-            )
-        )
-    if kind == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(
+        cfg = LlamaConfig(
             vocab_size=VOCAB,
-            n_positions=SEQ,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=64,
+            max_seq_len=SEQ,
+            tie_embeddings=kind == "llama_tied",
         )
-        return GPT2LMHeadModel(cfg)
+        return Llama(cfg)
+    if kind == "gpt2":
+        return hf.gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ)
+    if kind == "hf_llama":
+        return hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
     raise ValueError(kind)
 
 

@@ -96,20 +96,18 @@ def overflow_worker(plan_dict: dict) -> dict:
         opt.step()
         opt.zero_grad()
 
+    def snapshot() -> dict:
+        return {
+            "params": booster.full_state_dict(model),
+            "scale": booster.scaler.scale,
+            "adam_steps": [float(s["step"]) for s in opt.state.values()],
+            "skipped": opt.skipped_steps,
+        }
+
     step(inject=False)
-    before = {
-        "params": booster.full_state_dict(model),
-        "scale": booster.scaler.scale,
-        "adam_steps": [float(s["step"]) for s in opt.state.values()],
-        "skipped": opt.skipped_steps,
-    }
+    before = snapshot()
     step(inject=True)
-    after = {
-        "params": booster.full_state_dict(model),
-        "scale": booster.scaler.scale,
-        "adam_steps": [float(s["step"]) for s in opt.state.values()],
-        "skipped": opt.skipped_steps,
-    }
+    after = snapshot()
     return {"before": before, "after": after}
 
 

@@ -1,4 +1,4 @@
-"""Acceptance 1, 5, 7: every data-parallel layout reproduces single-process training.
+"""Acceptance 1, 4, 5, 7: every data-parallel layout reproduces single-process training.
 
 Loss every step (mean over the global batch), the global gradient norm, and the
 full parameters after 3 AdamW steps equal plain PyTorch on one process
@@ -63,9 +63,15 @@ def test_uneven_shares_match_single_process(preset: str, world: int, shares: tup
     run_parity("llama", plan, world)
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_hf_gpt2_matches_single_process(preset: str) -> None:
-    run_parity("gpt2", PRESETS[preset], 2)
+def test_hf_gpt2_matches_single_process(preset: str, world: int) -> None:
+    run_parity("gpt2", PRESETS[preset], world)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_hf_llama_matches_single_process(preset: str) -> None:
+    run_parity("hf_llama", PRESETS[preset], 2)
 
 
 @pytest.mark.parametrize("world,shares", [(2, (3, 1)), (4, (1, 2, 1, 4))], ids=["shares3-1", "shares1-2-1-4"])

@@ -1,0 +1,56 @@
+"""Hugging Face models built from configs (no weights are downloaded): optional dependency.
+
+Example:
+    >>> model = gpt2(n_layer=6, n_embd=384, n_head=6, vocab_size=8192, seq_len=128)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ImportError("Hugging Face models need the optional dependency: pip install 'tessera[hf]'") from None
+
+
+def gpt2(n_layer: int, n_embd: int, n_head: int, vocab_size: int, seq_len: int, dropout: float = 0.0) -> nn.Module:
+    """A freshly initialised ``GPT2LMHeadModel``; dropout off by default so runs are comparable."""
+    _require_transformers()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=seq_len,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, vocab_size: int, seq_len: int) -> nn.Module:
+    """A freshly initialised ``LlamaForCausalLM`` (grouped-query attention when n_kv_head < n_head)."""
+    _require_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head,
+        max_position_embeddings=seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
