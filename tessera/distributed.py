@@ -18,15 +18,20 @@ from tessera.errors import PlanError
 
 
 def accelerator_available() -> bool:
-    return torch.cuda.is_available()
+    """True when this process should use CUDA: a CUDA device exists and TESSERA_DEVICE is not "cpu".
+
+    ``TESSERA_DEVICE=cpu`` keeps a job on CPU/gloo on a GPU machine, e.g. to run more test
+    ranks than there are GPUs (``tessera.testing.run_ranks`` sets it then).
+    """
+    return os.environ.get("TESSERA_DEVICE", "auto") != "cpu" and torch.cuda.is_available()
 
 
 def pick_device(requested: str = "auto") -> torch.device:
     """The device this rank computes on: CUDA (one per local rank) when present, else CPU."""
     if requested == "cuda" and not accelerator_available():
         raise PlanError(
-            'Plan.device="cuda" but this machine has no CUDA device: use device="auto" '
-            '(CUDA when present, else CPU) or device="cpu".'
+            'Plan.device="cuda" but no CUDA device is available here (none found, or TESSERA_DEVICE=cpu): '
+            'use device="auto" (CUDA when present, else CPU) or device="cpu".'
         )
     if requested in ("auto", "cuda") and accelerator_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

@@ -40,6 +40,8 @@ def _rank_entry(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
     )
+    if torch.cuda.device_count() < world:
+        os.environ["TESSERA_DEVICE"] = "cpu"  # NCCL needs a GPU per rank: fall back to CPU/gloo
     torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
