@@ -1,30 +1,26 @@
 """The ``tessera`` command.
 
-tessera demo [--nproc 2] [demo options]     2-rank ZeRO training of a small Llama (via torchrun)
-tessera plan check PLAN.yaml --world-size N  validate a Plan file for a job of N ranks
+    tessera train CONFIG.yaml [--set optimizer.lr=3e-4 ...] [--nproc N]   config-driven training (via torchrun)
+    tessera demo [--nproc 2] [demo options]                               the small ZeRO demo of the foundation
+    tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
+
+Bad input prints one ``tessera: error: ...`` paragraph and exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
 from tessera.errors import PlanError
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-        "-m",
-        "tessera.demo",
-        *rest,
-    ]
-    return subprocess.call(cmd)
+    return subprocess.call([*TORCHRUN, "--standalone", f"--nproc-per-node={args.nproc}", "-m", "tessera.demo", *rest])
 
 
 def _plan_check(args: argparse.Namespace) -> int:
@@ -37,9 +33,70 @@ def _plan_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate_training(args: argparse.Namespace) -> None:
+    """Everything that can be checked before any process starts or any file is written."""
+    from tessera.data.text import PackedText, resolve_paths
+    from tessera.train.config import ConfigError, load_config, plan_from_config
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.nproc * args.nnodes
+    try:
+        plan = plan_from_config(cfg.plan).resolve(world)
+        plan.check_supported()
+        from tessera.data.sharding import split_batch
+
+        split_batch(cfg.train.global_batch_size, plan.shares())
+    except PlanError as exc:
+        raise ConfigError(f"plan (for {world} ranks): {exc}") from None
+    PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
+
+
+def _train(args: argparse.Namespace) -> int:
+    _validate_training(args)
+    run_args = [args.config, *(f"--set={o}" for o in args.overrides)]
+    if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank
+        from tessera.train.run import main as run_main
+
+        return run_main(run_args)
+    launch = [f"--nproc-per-node={args.nproc}", f"--max-restarts={args.max_restarts}"]
+    if args.nnodes > 1 or args.rdzv_endpoint:
+        launch += [
+            f"--nnodes={args.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
+    else:
+        launch += ["--standalone"]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # reliable restarts (design brief, trap 3)
+    proc = subprocess.run(
+        [*TORCHRUN, *launch, "-m", "tessera.train.run", *run_args], env=env, stderr=subprocess.PIPE, text=True
+    )
+    if proc.returncode:
+        ours = [line for line in proc.stderr.splitlines() if line.startswith("tessera: error:")]
+        print(ours[0] if ours else proc.stderr[-4000:], file=sys.stderr)
+        return 2 if ours else proc.returncode
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tessera", description="Scale PyTorch training with one Plan.")
     sub = ap.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train from a YAML config (launches torchrun)")
+    train.add_argument("config")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set plan.zero=3",
+    )
+    train.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    train.add_argument("--nnodes", type=int, default=1)
+    train.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
+    train.add_argument("--rdzv-id", default="tessera")
+    train.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails")
     demo = sub.add_parser("demo", help="train a small Llama on 2 local ranks under ZeRO")
     demo.add_argument("--nproc", type=int, default=2)
     plan = sub.add_parser("plan", help="work with Plan files")
@@ -53,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args, rest)
         if rest:
             ap.error(f"unrecognised arguments: {' '.join(rest)}")
+        if args.command == "train":
+            return _train(args)
         return _plan_check(args)
-    except PlanError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # PlanError, ConfigError, CheckpointError are ValueErrors
         print(f"tessera: error: {exc}", file=sys.stderr)
         return 2
 

@@ -61,9 +61,12 @@ class ShareBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
+        self.start_batch = 0  # skip this many global batches of the epoch (resume)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch's shuffle; ``start_batch`` resumes mid-epoch."""
         self.epoch = epoch
+        self.start_batch = start_batch
 
     def __len__(self) -> int:
         return self.dataset_len // self.global_batch_size  # the last partial global batch is dropped
@@ -74,7 +77,7 @@ class ShareBatchSampler(Sampler[list[int]]):
             order = torch.randperm(self.dataset_len, generator=g)
         else:
             order = torch.arange(self.dataset_len)
-        for b in range(len(self)):
+        for b in range(self.start_batch, len(self)):
             start = b * self.global_batch_size + self.offset
             yield order[start : start + self.local_batch_size].tolist()
 
@@ -118,8 +121,8 @@ class ShardedLoader:
     def local_batch_size(self) -> int:
         return self.sampler.local_batch_size
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_batch)
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -133,5 +133,70 @@ class ShardedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         return self.local.state_dict()
 
+    # ---------------------------------------------------- layout-independent checkpoints
+    @torch.no_grad()
+    def _ensure_state(self) -> None:
+        """Create optimizer state before the first step (a zero-gradient step at lr 0), so a
+        checkpoint can be loaded into it."""
+        if self.local.state:
+            return
+        saved_lrs = [g["lr"] for g in self.local.param_groups]
+        for g in self.local.param_groups:
+            g["lr"] = 0.0
+        for s in self.slices:
+            s.shard.grad = torch.zeros_like(s.shard)
+        self.local.step()
+        self.local.zero_grad(set_to_none=True)
+        for g, lr in zip(self.local.param_groups, saved_lrs):
+            g["lr"] = lr
+
+    @torch.no_grad()
+    def full_state_dict(self, names: dict[int, str]) -> dict[str, Any]:
+        """Optimizer state as full per-parameter tensors keyed by parameter name: the same
+        shape ``torch.distributed.checkpoint`` gets from a plain optimizer, so any layout can
+        load it. Transiently holds the full state (the size DDP keeps all the time)."""
+        self._ensure_state()
+        state: dict[str, dict[str, Any]] = {}
+        pending = []
+        for s in self.slices:
+            local_state = self.local.state[s.shard]
+            entry: dict[str, Any] = {}
+            for key, value in local_state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == s.shard.numel() and value.dim() > 0:
+                    full = torch.zeros(s.full.numel(), dtype=value.dtype, device=s.full.device)
+                    full[s.start : s.end].copy_(value.view(-1))
+                    for r, lo, hi in s.owners:
+                        src = dist.get_global_rank(self.group, r)
+                        pending.append(dist.broadcast(full[lo:hi], src=src, group=self.group, async_op=True))
+                    entry[key] = full.view(s.full.shape)
+                else:
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            state[names[id(s.full)]] = entry
+        for work in pending:
+            work.wait()
+        groups = []
+        index = 0
+        for g in self.local.param_groups:
+            n = len(g["params"])
+            fqns = [names[id(s.full)] for s in self.slices[index : index + n]]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+            index += n
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict[str, Any], names: dict[int, str]) -> None:
+        """Take this rank's pieces of a :meth:`full_state_dict`-shaped state."""
+        self._ensure_state()
+        for s in self.slices:
+            saved = full["state"][names[id(s.full)]]
+            local_state = self.local.state[s.shard]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.numel() == s.full.numel() and value.dim() > 0:
+                    local_state[key] = value.reshape(-1)[s.start : s.end].to(s.shard.device, copy=True)
+                else:
+                    local_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for g, saved_group in zip(self.local.param_groups, full["param_groups"]):
+            g.update({k: v for k, v in saved_group.items() if k != "params"})
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.local.load_state_dict(state)

@@ -1,0 +1,180 @@
+"""Checkpoints that survive crashes and load under another layout.
+
+Model and optimizer state go through ``torch.distributed.checkpoint`` keyed by
+parameter name (FQN), so a checkpoint written under DDP, ZeRO-1/2/3 or uneven
+shares loads under any other of them, on another number of ranks. A save is
+written to ``step_XXXXXXXX.tmp`` and renamed only when every rank finished, so
+a crash mid-save never damages the last good checkpoint.
+
+Layout of one checkpoint directory::
+
+    step_00000100/
+        .metadata, __*.distcp      DCP: {"model": ..., "optim": ...}
+        trainer.pt                 step, data position, scheduler, loss scaler (rank 0)
+        rng_rank{r}.pt             each rank's RNG states (restored when the world size matches)
+        meta.json                  step, world size, plan — written last: marks the checkpoint complete
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from tessera.parallel.zero1 import ShardedOptimizer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted, or belongs to another model."""
+
+
+def _dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (a ``.tmp`` or one without meta.json is not complete)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    done = list_checkpoints(root)
+    return done[-1] if done else None
+
+
+# --------------------------------------------------------------------------- state dicts
+def _inner(optimizer: Any) -> Any:
+    return getattr(optimizer, "inner", optimizer)
+
+
+def _state_dicts(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    inner = _inner(optimizer)
+    if isinstance(inner, ShardedOptimizer):
+        optim = inner.full_state_dict(_param_names(model))
+    else:
+        optim = get_optimizer_state_dict(model, inner)
+    return {"model": get_model_state_dict(model), "optim": optim}
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    from tessera.parallel.data import unwrap
+
+    return {id(p): name for name, p in unwrap(model).named_parameters()}
+
+
+def _fault(point: str, step: int) -> None:
+    """Fault injection for tests: TESSERA_FAULT=save:STEP crashes this rank midway through that save."""
+    if os.environ.get("TESSERA_FAULT") == f"{point}:{step}":
+        os._exit(17)
+
+
+# --------------------------------------------------------------------------------- save
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: Any,
+    trainer_state: dict[str, Any],
+    keep: int,
+    meta: dict[str, Any],
+) -> Path:
+    """Write a checkpoint of ``step`` under ``root`` on every rank; keep the newest ``keep``."""
+    root = Path(root)
+    final, tmp = root / _dir_name(step), root / (_dir_name(step) + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    _fault("save", step)
+    dist.barrier()
+    if rank == 0:
+        torch.save(trainer_state, tmp / "trainer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), **meta}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+# --------------------------------------------------------------------------------- load
+def _check_same_model(path: Path, expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose parameter names or shapes differ: list every mismatch."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # unreadable or truncated metadata
+        raise CheckpointError(
+            f"checkpoint '{path}' is corrupted or unreadable ({type(exc).__name__}: {exc})."
+        ) from None
+    saved = {
+        k[len("model.") :]: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    want = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    problems = [f"missing in checkpoint: {k} {want[k]}" for k in sorted(want.keys() - saved.keys())]
+    problems += [f"not in this model: {k} {saved[k]}" for k in sorted(saved.keys() - want.keys())]
+    problems += [
+        f"shape of {k}: checkpoint {saved[k]} vs model {want[k]}"
+        for k in sorted(want.keys() & saved.keys())
+        if saved[k] != want[k]
+    ]
+    if problems:
+        shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+        raise CheckpointError(f"checkpoint '{path}' belongs to a different model: {shown}. Nothing was loaded.")
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Load model and optimizer state (any layout) from ``path``; return the trainer state."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
+    state = _state_dicts(model, optimizer)
+    _check_same_model(path, state["model"])
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint '{path}' could not be read ({type(exc).__name__}: {exc}).") from None
+    set_model_state_dict(model, state["model"])
+    inner = _inner(optimizer)
+    if isinstance(inner, ShardedOptimizer):
+        inner.load_full_state_dict(state["optim"], _param_names(model))
+    else:
+        set_optimizer_state_dict(model, inner, state["optim"])
+    meta = json.loads((path / "meta.json").read_text())
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return trainer_state

@@ -1,0 +1,75 @@
+"""Text data: a byte-level tokenizer and a packed-sequence dataset over text files.
+
+The default corpus is the Python standard library's own source files of the
+running interpreter: present on every machine, real text nobody here wrote.
+"""
+
+from __future__ import annotations
+
+import glob
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+
+class ByteTokenizer:
+    """Tokens are bytes (vocabulary 256): nothing to train, nothing to download."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(int(t) % 256 for t in tokens).decode("utf-8", errors="replace")
+
+
+def default_corpus() -> list[str]:
+    """The running interpreter's standard-library ``*.py`` files, sorted."""
+    return sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
+
+
+def resolve_paths(patterns: list[str]) -> list[str]:
+    """Expand paths and globs; every pattern must match at least one file."""
+    if not patterns:
+        return default_corpus()
+    files: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        matched = [m for m in matched if Path(m).is_file()]
+        if not matched:
+            raise FileNotFoundError(f"data.paths: '{pattern}' matches no file: give existing text files or a glob.")
+        files.extend(matched)
+    return files
+
+
+class PackedText(Dataset):
+    """Windows of ``seq_len + 1`` tokens over all files joined end to end.
+
+    Item ``i`` is ``{"x": tokens[i*L : i*L+L], "y": tokens[i*L+1 : i*L+L+1]}``.
+    """
+
+    def __init__(self, files: list[str], seq_len: int, max_bytes: int = 4_000_000) -> None:
+        data = bytearray()
+        for path in files:
+            data += Path(path).read_bytes() + b"\n"
+            if len(data) >= max_bytes:
+                break
+        del data[max_bytes:]
+        if len(data) < 2 * (seq_len + 1):
+            raise ValueError(
+                f"data: the corpus holds {len(data)} bytes, too few for even two sequences of data.seq_len="
+                f"{seq_len}: add text or lower data.seq_len."
+            )
+        self.tokens = torch.frombuffer(data, dtype=torch.uint8).long()
+        self.seq_len = seq_len
+        self.files = files
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        window = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        return {"x": window[:-1], "y": window[1:]}

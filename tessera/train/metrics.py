@@ -1,0 +1,98 @@
+"""What a run reports: a progress line, metrics.jsonl (always), TensorBoard (when installed), a loss PNG.
+
+Only rank 0 reports; every figure is for the whole job (global-batch loss, all ranks' tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def transformer_flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the weights plus 12·L·d·s for attention (PaLM appendix B)."""
+    return 6.0 * n_params + 12.0 * n_layers * dim * seq_len
+
+
+class Progress:
+    """One line per report: step, loss, tokens/s, ETA; redrawn in place on a terminal."""
+
+    def __init__(self, total_steps: int, enabled: bool = True) -> None:
+        self.total = total_steps
+        self.enabled = enabled
+        self.tty = sys.stdout.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, elapsed: float, done_steps: int) -> None:
+        if not self.enabled:
+            return
+        remaining = (self.total - step) * elapsed / max(done_steps, 1)
+        width = 24
+        filled = int(width * step / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        line = (
+            f"[{bar}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"ETA {int(remaining // 60)}:{int(remaining % 60):02d}"
+        )
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(flush=True)
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to ``metrics.jsonl``; mirrors to TensorBoard if asked and present."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:  # tensorboard not installed: JSONL only
+                self.tb = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_loss(metrics_path: Path, out_png: Path, title: str) -> None:
+    """Draw loss against step from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses = [], []
+    for line in metrics_path.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            steps.append(record["step"])
+            losses.append(record["loss"])
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, losses, color="tab:blue")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global batch)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)

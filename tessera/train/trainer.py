@@ -1,0 +1,227 @@
+"""The training loop behind ``tessera train``: read top to bottom, one step at a time.
+
+Runs inside a torchrun-launched process (or a plain one, as a 1-rank job).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tessera
+from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
+from tessera.train.config import Config, plan_from_config
+from tessera.train.metrics import MetricsLog, Progress, plot_loss, transformer_flops_per_token
+
+
+def build_model(cfg: Config) -> nn.Module:
+    m, seq = cfg.model, cfg.data.seq_len
+    vocab = ByteTokenizer.vocab_size
+    if m.kind == "llama":
+        from tessera.models import Llama, LlamaConfig
+
+        return Llama(
+            LlamaConfig(
+                vocab_size=vocab,
+                dim=m.dim,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                n_kv_heads=m.n_kv_heads,
+                ffn_dim=m.ffn_dim,
+                max_seq_len=seq,
+                tie_embeddings=m.tie_embeddings,
+            )
+        )
+    from tessera.models import hf
+
+    if m.kind == "hf_gpt2":
+        return hf.gpt2(n_layer=m.n_layers, n_embd=m.dim, n_head=m.n_heads, vocab_size=vocab, seq_len=seq)
+    return hf.llama(
+        n_layer=m.n_layers,
+        hidden=m.dim,
+        n_head=m.n_heads,
+        n_kv_head=m.n_kv_heads,
+        ffn=m.ffn_dim,
+        vocab_size=vocab,
+        seq_len=seq,
+    )
+
+
+def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Warm-up, then cosine / linear decay to ``min_lr_ratio`` (or constant)."""
+    s, total = cfg.schedule, cfg.train.steps
+    if step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if s.kind == "cosine" else 1 - progress
+    return s.min_lr_ratio + (1 - s.min_lr_ratio) * decay
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _fault_rank(step: int) -> None:
+    """TESSERA_FAULT=RANK:STEP kills that rank just before the step (fault-injection tests)."""
+    spec = os.environ.get("TESSERA_FAULT", "")
+    if spec and not spec.startswith("save:") and spec == f"{dist.get_rank()}:{step}":
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # only the first attempt dies
+            os._exit(13)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: torch.device) -> str:
+    """Sample ``n_bytes`` bytes after ``prompt``; every rank runs it (sharded models need all ranks)."""
+    tok = ByteTokenizer()
+    tokens = torch.tensor([tok.encode(prompt)], device=device)
+    g = torch.Generator(device=device).manual_seed(0)  # same draws on every rank
+    model.eval()
+    for _ in range(n_bytes):
+        logits = logits_of(model(tokens[:, -seq_len:]))[:, -1].float()
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=g)], dim=1)
+    model.train()
+    return tok.decode(tokens[0].tolist())
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Train as ``cfg`` says; return a summary (first/last loss, steps, paths) on every rank."""
+    tessera.init()
+    torch.manual_seed(cfg.train.seed)
+    booster = tessera.Booster(plan_from_config(cfg.plan))
+    rank0 = dist.get_rank() == 0
+    dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
+    model = build_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    model, optimizer = booster.boost(model, build_optimizer(cfg, model.parameters()))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+    loader = booster.dataloader(dataset, cfg.train.global_batch_size, seed=cfg.train.seed)
+    run_dir, ckpt_root = cfg.run_dir, cfg.run_dir / "checkpoints"
+
+    step, epoch, batch_in_epoch = 0, 0, 0
+    resumed_from = latest_checkpoint(ckpt_root) if cfg.checkpoint.resume == "auto" else None
+    if resumed_from is not None:
+        state = load_checkpoint(resumed_from, model, optimizer)
+        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        schedule.load_state_dict(state["scheduler"])
+        if booster.scaler is not None and state.get("scaler"):
+            booster.scaler.load_state_dict(state["scaler"])
+        if rank0:
+            print(f"resumed from {resumed_from} at step {step}", flush=True)
+
+    def trainer_state() -> dict[str, Any]:
+        return {
+            "step": step,
+            "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "scheduler": schedule.state_dict(),
+            "scaler": booster.scaler.state_dict() if booster.scaler else None,
+        }
+
+    def checkpoint() -> None:
+        save_checkpoint(
+            ckpt_root,
+            step,
+            model,
+            optimizer,
+            trainer_state(),
+            cfg.checkpoint.keep,
+            {"plan": booster.plan.to_dict(), "config": cfg.model_dump(mode="json")},
+        )
+
+    log = MetricsLog(run_dir, cfg.logging.tensorboard) if rank0 else None
+    progress = Progress(cfg.train.steps, enabled=rank0 and cfg.logging.progress)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    flops_per_token = transformer_flops_per_token(n_params, cfg.model.n_layers, cfg.model.dim, cfg.data.seq_len)
+    losses: list[float] = []
+    start_step, start_time = step, time.perf_counter()
+    while step < cfg.train.steps:
+        loader.set_epoch(epoch, batch_in_epoch)
+        for batch in loader:
+            _fault_rank(step + 1)
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(logits_of(model(batch["x"])).float().flatten(0, 1), batch["y"].flatten())
+            booster.backward(loss, optimizer)
+            grad_norm = booster.clip_grad_norm(model, optimizer, max_norm=cfg.optimizer.grad_clip or math.inf)
+            optimizer.step()
+            state_bytes = tessera.memory.model_state_bytes(model, optimizer)
+            optimizer.zero_grad()
+            lr = schedule.get_last_lr()[0]
+            schedule.step()
+            global_loss = booster.reduce_loss(loss).item()
+            step, batch_in_epoch = step + 1, batch_in_epoch + 1
+            losses.append(global_loss)
+            step_time = time.perf_counter() - t0
+            if rank0 and (step % cfg.train.log_every == 0 or step in (start_step + 1, cfg.train.steps)):
+                elapsed = time.perf_counter() - start_time
+                tok_s = (step - start_step) * tokens_per_step / elapsed
+                record = {
+                    "step": step,
+                    "loss": global_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": tok_s,
+                    "step_time_s": step_time,
+                    "achieved_tflops": tok_s * flops_per_token / 1e12,
+                    "model_state_bytes_rank0": int(state_bytes),
+                    "epoch": epoch,
+                }
+                if cfg.train.peak_tflops:
+                    record["mfu"] = record["achieved_tflops"] / (cfg.train.peak_tflops * dist.get_world_size())
+                log.log(record)
+                progress.update(step, global_loss, tok_s, elapsed, step - start_step)
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                checkpoint()
+            if step == cfg.train.steps:
+                break
+        else:
+            epoch, batch_in_epoch = epoch + 1, 0
+    progress.close()
+    if not cfg.checkpoint.every or step % cfg.checkpoint.every:
+        checkpoint()
+    sample = (
+        generate(model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, booster.device)
+        if cfg.train.sample_bytes
+        else ""
+    )
+    summary = {
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "steps": step,
+        "run_dir": str(run_dir),
+        "resumed_from": str(resumed_from) if resumed_from else None,
+    }
+    if rank0:
+        log.close()
+        plot_loss(
+            log.path,
+            run_dir / "loss.png",
+            f"{cfg.logging.run_name}: {n_params / 1e6:.2f}M params, "
+            f"plan zero={booster.plan.zero}, {dist.get_world_size()} ranks",
+        )
+        if losses:
+            print(
+                f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start_step + 1}-{step}; "
+                f"metrics: {log.path}; plot: {run_dir / 'loss.png'}",
+                flush=True,
+            )
+        if sample:
+            print("sample:\n" + sample, flush=True)
+    return summary
