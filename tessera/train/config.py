@@ -83,6 +83,9 @@ class PlanConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(150, gt=0)
+    stop_at: int | None = Field(
+        None, gt=0, description="stop (and checkpoint) after this step; the schedule still spans `steps`"
+    )
     global_batch_size: int = Field(16, gt=0)
     seed: int = 0
     log_every: int = Field(10, gt=0)

@@ -152,7 +152,8 @@ def train(cfg: Config) -> dict[str, Any]:
     flops_per_token = transformer_flops_per_token(n_params, cfg.model.n_layers, cfg.model.dim, cfg.data.seq_len)
     losses: list[float] = []
     start_step, start_time = step, time.perf_counter()
-    while step < cfg.train.steps:
+    last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+    while step < last_step:
         loader.set_epoch(epoch, batch_in_epoch)
         for batch in loader:
             _fault_rank(step + 1)
@@ -189,7 +190,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 progress.update(step, global_loss, tok_s, elapsed, step - start_step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 checkpoint()
-            if step == cfg.train.steps:
+            if step == last_step:
                 break
         else:
             epoch, batch_in_epoch = epoch + 1, 0
