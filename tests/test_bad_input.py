@@ -1,0 +1,131 @@
+"""Train-issue acceptance 6: malformed input gives one paragraph, exit code 2, no traceback, no file written."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tessera.cli import main
+
+GOOD = {
+    "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
+    "data": {"seq_len": 32, "max_bytes": 40_000},
+    "train": {"steps": 2, "global_batch_size": 8, "sample_bytes": 0},
+    "checkpoint": {"every": 0},
+    "logging": {"run_name": "bad", "progress": False, "tensorboard": False},
+}
+
+
+def with_change(path: str, value: object) -> dict:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    node = cfg
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return cfg
+
+
+def empty_file(tmp: Path) -> str:
+    (tmp / "empty.txt").write_text("")
+    return str(tmp / "empty.txt")
+
+
+# (case id, config dict or raw text, extra CLI args, text the error must contain)
+CASES = [
+    ("unknown-section", {**GOOD, "modle": {}}, [], 'did you mean "model"'),
+    ("unknown-key", with_change("optimizer.lrr", 0.1), [], 'did you mean "optimizer.lr"'),
+    ("wrong-type-lr", with_change("optimizer.lr", "fast"), [], "optimizer.lr"),
+    ("negative-dim", with_change("model.dim", -8), [], "model.dim"),
+    ("zero-steps", with_change("train.steps", 0), [], "train.steps"),
+    ("negative-batch", with_change("train.global_batch_size", -4), [], "train.global_batch_size"),
+    ("heads-not-dividing", with_change("model.n_heads", 3), [], "n_heads"),
+    ("kv-heads-not-dividing", with_change("model.n_kv_heads", 3), [], "n_kv_heads"),
+    ("missing-data-path", with_change("data.paths", ["/nonexistent/corpus.txt"]), [], "/nonexistent/corpus.txt"),
+    ("glob-matches-nothing", with_change("data.paths", ["/nonexistent/*.txt"]), [], "matches no file"),
+    ("empty-corpus", "EMPTY_CORPUS", [], "too few"),
+    ("bad-precision", with_change("plan.precision", "fp8"), [], "plan.precision"),
+    ("zero-stage-5", with_change("plan.zero", 5), [], "plan.zero"),
+    ("shares-count", with_change("plan.dp_shares", [1, 1, 1]), [], "dp_shares"),
+    ("shares-zero", with_change("plan.dp_shares", [1, 0]), [], "dp_shares"),
+    ("batch-not-divisible", with_change("plan.dp_shares", [2, 1]), [], "global_batch_size=8"),
+    ("unknown-schedule", with_change("schedule.kind", "step"), [], "schedule.kind"),
+    ("bad-run-name", with_change("logging.run_name", "../escape"), [], "logging.run_name"),
+    ("missing-plan-file", with_change("plan.file", "/nonexistent/plan.yaml"), [], "/nonexistent/plan.yaml"),
+    ("not-a-mapping", "- just\n- a list\n", [], "mapping"),
+    ("invalid-yaml", "model: {dim: [1, 2\n", [], "not valid YAML"),
+    ("set-without-equals", GOOD, ["--set", "optimizer.lr"], "section.key=value"),
+    ("set-unknown-key", GOOD, ["--set", "optimizer.learning_rate=1"], "optimizer.learning_rate"),
+    ("nproc-too-many-for-batch", with_change("train.global_batch_size", 1), [], "global_batch_size"),
+]
+
+
+@pytest.mark.parametrize("case,config,extra,needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_is_one_clear_paragraph(case, config, extra, needle, tmp_path: Path, capsys) -> None:
+    out_dir = tmp_path / "runs"
+    path = tmp_path / "config.yaml"
+    if config == "EMPTY_CORPUS":
+        config = with_change("data.paths", [empty_file(tmp_path)])
+    if isinstance(config, dict):
+        config = yaml.safe_load(yaml.safe_dump(config))
+        config.setdefault("logging", {})["out_dir"] = str(out_dir)
+        path.write_text(yaml.safe_dump(config))
+    else:
+        path.write_text(config)
+    code = main(["train", str(path), "--nproc", "2", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("tessera: error:") and "\n\n" not in err and "Traceback" not in err, err
+    assert needle in err, err
+    assert not out_dir.exists(), "a file was written before the config validated"
+
+
+def test_missing_config_file(tmp_path: Path, capsys) -> None:
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def _launch(config: Path, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tessera.cli", "train", str(config), "--nproc", "2", *(f"--set={s}" for s in sets)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trained")
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(with_change("logging.out_dir", str(root / "runs"))))
+    proc = _launch(config)
+    assert proc.returncode == 0, proc.stderr
+    return config
+
+
+def test_checkpoint_of_another_model_is_refused(trained_run: Path) -> None:
+    runs = trained_run.parent / "runs"
+    before = _tree_digest(runs)
+    proc = _launch(trained_run, "model.dim=64", "train.steps=3")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tessera: error:") and "Traceback" not in proc.stderr, proc.stderr
+    assert "different model" in proc.stderr and "checkpoint (32,) vs model (64,)" in proc.stderr, proc.stderr
+    assert _tree_digest(runs) == before, "a failed load changed files"
+
+
+def test_corrupted_checkpoint_is_refused(trained_run: Path) -> None:
+    runs = trained_run.parent / "runs"
+    shard = next((runs / "bad" / "checkpoints").rglob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated on disk
+    before = _tree_digest(runs)
+    proc = _launch(trained_run, "train.steps=3")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tessera: error:") and "Traceback" not in proc.stderr, proc.stderr
+    assert "could not be read" in proc.stderr or "corrupted" in proc.stderr, proc.stderr
+    assert _tree_digest(runs) == before
