@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tessera demo
+	$(VENV)/bin/tessera train examples/demo.yaml --nproc 2
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=10

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -165,7 +165,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         trainer_state = torch.load(path / "trainer.pt", weights_only=False)
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint '{path}' could not be read: it is corrupted or incomplete ({reason}).") from None
+        raise CheckpointError(
+            f"checkpoint '{path}' could not be read: it is corrupted or incomplete ({reason})."
+        ) from None
     set_model_state_dict(model, state["model"])
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):

@@ -1,7 +1,6 @@
 """The ``tessera`` command.
 
     tessera train CONFIG.yaml [--set optimizer.lr=3e-4 ...] [--nproc N]   config-driven training (via torchrun)
-    tessera demo [--nproc 2] [demo options]                               the small ZeRO demo of the foundation
     tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
 
 Bad input prints one ``tessera: error: ...`` paragraph and exits with code 2.
@@ -17,10 +16,6 @@ import sys
 from tessera.errors import PlanError
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _demo(args: argparse.Namespace, rest: list[str]) -> int:
-    return subprocess.call([*TORCHRUN, "--standalone", f"--nproc-per-node={args.nproc}", "-m", "tessera.demo", *rest])
 
 
 def _plan_check(args: argparse.Namespace) -> int:
@@ -92,25 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set plan.zero=3",
     )
+    train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.add_argument("--nproc", type=int, default=2, help="ranks per node")
     train.add_argument("--nnodes", type=int, default=1)
     train.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
     train.add_argument("--rdzv-id", default="tessera")
     train.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails")
-    demo = sub.add_parser("demo", help="train a small Llama on 2 local ranks under ZeRO")
-    demo.add_argument("--nproc", type=int, default=2)
     plan = sub.add_parser("plan", help="work with Plan files")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     check = plan_sub.add_parser("check", help="validate a Plan file")
     check.add_argument("file")
     check.add_argument("--world-size", type=int, required=True)
-    args, rest = ap.parse_known_args(argv)
+    args = ap.parse_args(argv)
     try:
-        if args.command == "demo":
-            return _demo(args, rest)
-        if rest:
-            ap.error(f"unrecognised arguments: {' '.join(rest)}")
         if args.command == "train":
+            if args.resume:
+                args.overrides.append("checkpoint.resume=auto")
             return _train(args)
         return _plan_check(args)
     except (ValueError, FileNotFoundError) as exc:  # PlanError, ConfigError, CheckpointError are ValueErrors

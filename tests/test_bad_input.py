@@ -91,7 +91,9 @@ def test_missing_config_file(tmp_path: Path, capsys) -> None:
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
 
 
 def _launch(config: Path, *sets: str) -> subprocess.CompletedProcess:

@@ -1,23 +1,53 @@
-"""`make demo`'s job runs end to end through torchrun (shortened) and the loss falls."""
+"""`make demo`'s job (examples/demo.yaml, shortened) runs end to end through torchrun and learns."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
-def test_demo_runs_under_torchrun_and_learns() -> None:
-    cmd = [sys.executable, "-m", "tessera.cli", "demo", "--nproc", "2", "--steps", "30", "--seq-len", "64"]
+def test_demo_config_trains_and_writes_its_outputs(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tessera.cli",
+        "train",
+        str(REPO / "examples" / "demo.yaml"),
+        "--nproc",
+        "2",
+        "--set",
+        "train.steps=30",
+        "--set",
+        "data.seq_len=64",
+        "--set",
+        "train.sample_bytes=40",
+        "--set",
+        "checkpoint.every=15",
+        "--set",
+        f"logging.out_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    m = re.search(r"loss ([\d.]+) -> ([\d.]+) in 30 steps", proc.stdout)
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+) over steps 1-30", proc.stdout)
     assert m, proc.stdout + proc.stderr
     first, last = map(float, m.groups())
     assert last < first - 1.0, f"the demo did not learn: {first} -> {last}"
+    assert "sample:\ndef " in proc.stdout
+    run = tmp_path / "demo"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 30 and {"loss", "tokens_per_s", "step_time_s", "model_state_bytes_rank0"} <= set(
+        records[-1]
+    )
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000015", "step_00000030"]
 
 
-def test_plan_check_cli(tmp_path) -> None:
+def test_plan_check_cli(tmp_path: Path) -> None:
     import tessera
 
     path = tmp_path / "plan.yaml"

@@ -46,10 +46,18 @@ class Progress:
 class MetricsLog:
     """Appends one JSON object per logged step to ``metrics.jsonl``; mirrors to TensorBoard if asked and present."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
+        """A fresh run starts a new file; a resumed one keeps the records up to ``resume_step``
+        (later ones came from steps the restart will redo)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.path.open("a")
+        kept = []
+        if resume_step is not None and self.path.is_file():
+            kept = [
+                line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= resume_step
+            ]
+        self.file = self.path.open("w")
+        self.file.writelines(line + "\n" for line in kept)
         self.tb = None
         if tensorboard:
             try:

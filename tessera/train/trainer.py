@@ -146,7 +146,7 @@ def train(cfg: Config) -> dict[str, Any]:
             {"plan": booster.plan.to_dict(), "config": cfg.model_dump(mode="json")},
         )
 
-    log = MetricsLog(run_dir, cfg.logging.tensorboard) if rank0 else None
+    log = MetricsLog(run_dir, cfg.logging.tensorboard, step if resumed_from else None) if rank0 else None
     progress = Progress(cfg.train.steps, enabled=rank0 and cfg.logging.progress)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_per_token = transformer_flops_per_token(n_params, cfg.model.n_layers, cfg.model.dim, cfg.data.seq_len)
