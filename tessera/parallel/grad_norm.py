@@ -71,3 +71,33 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, norm_type
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
+
+
+def _shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups across which ``p``'s elements are split (none when replicated)."""
+    if isinstance(p, DTensor):
+        return tuple(p.device_mesh.get_group(d) for d in _sharded_over(p))
+    group = getattr(p, "_tessera_shard_group", None)  # a ZeRO-1 piece of a larger parameter
+    return (group,) if group is not None else ()
+
+
+@torch.no_grad()
+def reduce_layer_sums(params: list[torch.Tensor], local_sums: torch.Tensor) -> torch.Tensor:
+    """Complete per-parameter sums (row i belongs to ``params[i]``) across the ranks that hold
+    pieces of that parameter: one all-reduce per distinct sharding, whatever the layout.
+
+    Layer-wise optimizers (LAMB, LARS) need the norm of the *whole* layer; summing only the
+    local shard is the classic silent bug under ZeRO or tensor parallelism.
+    """
+    by_groups: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup, ...], list[int]]] = {}
+    for i, p in enumerate(params):
+        groups = _shard_groups(p)
+        if groups:
+            by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append(i)
+    out = local_sums.clone()
+    for groups, rows in by_groups.values():
+        part = out[rows]
+        for group in groups:
+            dist.all_reduce(part, group=group)
+        out[rows] = part
+    return out

@@ -74,7 +74,9 @@ class ShardedOptimizer:
         start, end = next(((lo, hi) for r, lo, hi in owners if r == self.rank), (0, 0))
         view = p.detach().view(-1)[start:end]
         data = view.to("cpu", copy=True) if offload and p.device.type != "cpu" else view
-        return _Slice(full=p, shard=nn.Parameter(data), start=start, end=end, owners=owners)
+        shard = nn.Parameter(data)
+        shard._tessera_shard_group = self.group  # layer-wise optimizers reduce norms over it
+        return _Slice(full=p, shard=shard, start=start, end=end, owners=owners)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -56,11 +56,12 @@ class DataConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
+    name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    momentum: float = Field(0.9, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    trust_coefficient: float = Field(0.001, gt=0, description="LARS η")
     grad_clip: float | None = Field(1.0, gt=0)
 
 

@@ -18,6 +18,8 @@ from torch import nn
 import tessera
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
+from tessera.optim.lamb import LAMB
+from tessera.optim.lars import LARS
 from tessera.train.config import Config, plan_from_config
 from tessera.train.metrics import MetricsLog, Progress, plot_loss, transformer_flops_per_token
 
@@ -59,6 +61,12 @@ def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.name == "lamb":
+        return LAMB(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    if o.name == "lars":
+        return LARS(
+            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, trust_coefficient=o.trust_coefficient
+        )
     return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
 
 
