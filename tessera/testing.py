@@ -60,18 +60,28 @@ def _rank_entry(
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    collective_timeout_s: float | None = None,
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result in rank order.
 
     A rank that raises makes this raise with that rank's traceback; ranks still
     running after ``timeout_s`` are killed and a TimeoutError names them
-    (a hung collective fails the test instead of hanging CI).
+    (a hung collective fails the test instead of hanging CI). Collectives inside the ranks
+    time out after ``collective_timeout_s`` (default: half of ``timeout_s``).
     """
+    collective_timeout_s = collective_timeout_s or timeout_s / 2
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as out_dir:
         procs = [
-            ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, out_dir, args, timeout_s / 2), daemon=True)
+            ctx.Process(
+                target=_rank_entry, args=(fn, r, world_size, port, out_dir, args, collective_timeout_s), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -91,6 +91,7 @@ class TrainConfig(_Section):
     seed: int = 0
     log_every: int = Field(10, gt=0)
     sample_bytes: int = Field(120, ge=0, description="bytes of text to generate at the end (0: none)")
+    timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails the run")
     peak_tflops: float | None = Field(None, gt=0, description="declared per-device peak for MFU")
 
 

@@ -18,14 +18,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    try:
-        from tessera.train.config import load_config
-        from tessera.train.trainer import train
+    from tessera.train.config import load_config
+    from tessera.train.trainer import CollectiveTimeout, train
 
+    try:
         train(load_config(args.config, args.overrides))
     except USER_ERRORS as exc:  # ConfigError, PlanError, CheckpointError are ValueErrors
         print(f"tessera: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except CollectiveTimeout as exc:
+        print(f"tessera: error: {exc}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

@@ -87,11 +87,56 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def _fault_rank(step: int) -> None:
-    """TESSERA_FAULT=RANK:STEP kills that rank just before the step (fault-injection tests)."""
+    """Fault injection for tests, on the first attempt only (a torchrun restart runs clean):
+    TESSERA_FAULT=RANK:STEP kills that rank just before the step; hang:RANK:STEP:SECONDS stalls it."""
     spec = os.environ.get("TESSERA_FAULT", "")
-    if spec and not spec.startswith("save:") and spec == f"{dist.get_rank()}:{step}":
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # only the first attempt dies
-            os._exit(13)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if spec == f"{dist.get_rank()}:{step}":
+        os._exit(13)
+    if spec.startswith(f"hang:{dist.get_rank()}:{step}:"):
+        time.sleep(float(spec.split(":")[3]))
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time: a peer died, hung or never arrived."""
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: Any,
+    booster: tessera.Booster,
+    batch: dict,
+    grad_clip: float | None,
+    step: int,
+    timeout_s: float,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Forward, backward, clip, optimizer step; returns (local loss, grad norm, model-state bytes).
+
+    A collective that times out becomes a CollectiveTimeout naming the group and the step.
+    """
+    try:
+        loss = F.cross_entropy(logits_of(model(batch["x"])).float().flatten(0, 1), batch["y"].flatten())
+        booster.backward(loss, optimizer)
+        grad_norm = booster.clip_grad_norm(model, optimizer, max_norm=grad_clip or math.inf)
+        optimizer.step()
+        state_bytes = int(tessera.memory.model_state_bytes(model, optimizer))
+        optimizer.zero_grad()
+        return loss, grad_norm, state_bytes
+    except RuntimeError as exc:
+        if not _is_timeout(exc):
+            raise
+        ranks = dist.get_process_group_ranks(booster.mesh.get_group("dp"))
+        raise CollectiveTimeout(
+            f"step {step}: a collective on the data-parallel group 'dp' (ranks {ranks}) did not complete "
+            f"within train.timeout_s={timeout_s:g} s on rank {dist.get_rank()}: another rank died, hung or never "
+            "arrived. Check that rank's log; restart with --resume to continue from the last checkpoint."
+        ) from None
 
 
 @torch.no_grad()
@@ -111,7 +156,7 @@ def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Train as ``cfg`` says; return a summary (first/last loss, steps, paths) on every rank."""
-    tessera.init()
+    tessera.init(timeout_s=cfg.train.timeout_s)
     torch.manual_seed(cfg.train.seed)
     booster = tessera.Booster(plan_from_config(cfg.plan))
     rank0 = dist.get_rank() == 0
@@ -166,12 +211,9 @@ def train(cfg: Config) -> dict[str, Any]:
         for batch in loader:
             _fault_rank(step + 1)
             t0 = time.perf_counter()
-            loss = F.cross_entropy(logits_of(model(batch["x"])).float().flatten(0, 1), batch["y"].flatten())
-            booster.backward(loss, optimizer)
-            grad_norm = booster.clip_grad_norm(model, optimizer, max_norm=cfg.optimizer.grad_clip or math.inf)
-            optimizer.step()
-            state_bytes = tessera.memory.model_state_bytes(model, optimizer)
-            optimizer.zero_grad()
+            loss, grad_norm, state_bytes = train_step(
+                model, optimizer, booster, batch, cfg.optimizer.grad_clip, step + 1, cfg.train.timeout_s
+            )
             lr = schedule.get_last_lr()[0]
             schedule.step()
             global_loss = booster.reduce_loss(loss).item()
@@ -189,7 +231,7 @@ def train(cfg: Config) -> dict[str, Any]:
                     "tokens_per_s": tok_s,
                     "step_time_s": step_time,
                     "achieved_tflops": tok_s * flops_per_token / 1e12,
-                    "model_state_bytes_rank0": int(state_bytes),
+                    "model_state_bytes_rank0": state_bytes,
                     "epoch": epoch,
                 }
                 if cfg.train.peak_tflops:
