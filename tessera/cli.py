@@ -2,6 +2,7 @@
 
     tessera train CONFIG.yaml [--set optimizer.lr=3e-4 ...] [--nproc N]   config-driven training (via torchrun)
     tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
+    tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR]      full model from any layout's checkpoint
 
 Bad input prints one ``tessera: error: ...`` paragraph and exits with code 2.
 """
@@ -74,6 +75,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from tessera.export import export_hf, export_safetensors
+
+    if not args.out and not args.hf_dir:
+        raise ValueError("tessera export needs --out FILE.safetensors and/or --hf-dir DIR.")
+    if args.out:
+        print(f"wrote {export_safetensors(args.checkpoint, args.out)}")
+    if args.hf_dir:
+        print(f"wrote {export_hf(args.checkpoint, args.hf_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tessera", description="Scale PyTorch training with one Plan.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -98,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     check = plan_sub.add_parser("check", help="validate a Plan file")
     check.add_argument("file")
     check.add_argument("--world-size", type=int, required=True)
+    export = sub.add_parser("export", help="write a checkpoint's full model as safetensors / Hugging Face")
+    export.add_argument("checkpoint")
+    export.add_argument("--out", help="a .safetensors file to write")
+    export.add_argument("--hf-dir", help="a directory for save_pretrained (Hugging Face models)")
     args = ap.parse_args(argv)
     try:
+        if args.command == "export":
+            return _export(args)
         if args.command == "train":
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")

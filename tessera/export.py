@@ -1,0 +1,70 @@
+"""Export a checkpoint's full model: safetensors for any model, ``save_pretrained`` for Hugging Face ones.
+
+Runs in one plain process (no process group), whatever layout wrote the checkpoint.
+
+    tessera export runs/demo/checkpoints/step_00000400 --out model.safetensors [--hf-dir hf_model/]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from tessera.checkpoint import CheckpointError
+
+
+def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model parameters of a Tessera checkpoint, on the CPU."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
+    state: dict = {}
+    try:
+        # dcp.load() only fills keys the caller already has; the loader beneath it (what torch's own
+        # dcp_to_torch_save uses) lets the planner build the state from the checkpoint's metadata.
+        _load_state_dict(
+            state,
+            storage_reader=dcp.FileSystemReader(str(path)),
+            planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+            no_dist=True,
+        )
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"checkpoint '{path}' could not be read ({type(exc).__name__}).") from None
+    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def export_safetensors(path: str | Path, out: str | Path) -> Path:
+    """Write the checkpoint's model to one ``.safetensors`` file (tied weights stored once each name)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().clone() for k, v in load_full_model_state(path).items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata={"format": "pt", "source": str(path)})
+    return out
+
+
+def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
+    from tessera.train.config import parse_config
+    from tessera.train.trainer import build_model
+
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if "config" not in meta:
+        raise CheckpointError(f"checkpoint '{path}' records no training config: cannot tell which model it holds.")
+    cfg = parse_config(meta["config"], source=f"the config stored in '{path}'")
+    if not cfg.model.kind.startswith("hf_"):
+        raise CheckpointError(
+            f"--hf-dir needs a Hugging Face model, but this checkpoint holds model.kind='{cfg.model.kind}': "
+            "export it with --out model.safetensors instead."
+        )
+    model = build_model(cfg)
+    model.load_state_dict(load_full_model_state(path), strict=True)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -1,0 +1,44 @@
+"""Export: a sharded checkpoint becomes a full safetensors file and a Hugging Face model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_checkpoint import ckpt, tiny_config, train_worker
+
+from tessera.checkpoint import CheckpointError
+from tessera.export import export_hf, export_safetensors, load_full_model_state
+from tessera.testing import run_ranks
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("gpt2")
+    config = tiny_config(run, steps=2, every=0, plan={"preset": "zero", "zero": 3})
+    config["model"]["kind"] = "hf_gpt2"
+    run_ranks(train_worker, 2, config)
+    return ckpt(run, 2)
+
+
+def test_safetensors_and_hf_exports_hold_the_trained_weights(gpt2_checkpoint: Path, tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    full = load_full_model_state(gpt2_checkpoint)
+    assert full["transformer.wte.weight"].shape == (256, 32)  # gathered from ZeRO-3 shards
+    exported = load_file(str(export_safetensors(gpt2_checkpoint, tmp_path / "model.safetensors")))
+    assert exported.keys() == full.keys()
+    for k in full:
+        assert torch.equal(exported[k], full[k]), k
+    model = GPT2LMHeadModel.from_pretrained(str(export_hf(gpt2_checkpoint, tmp_path / "hf")))
+    for k, v in model.state_dict().items():
+        if k in full:
+            assert torch.equal(v, full[k]), k
+
+
+def test_hf_export_of_a_non_hf_model_is_refused(tmp_path: Path) -> None:
+    run_ranks(train_worker, 2, tiny_config(tmp_path, steps=1, every=0, plan={"preset": "ddp"}))
+    with pytest.raises(CheckpointError, match="model.kind='llama'"):
+        export_hf(ckpt(tmp_path, 1), tmp_path / "hf")
