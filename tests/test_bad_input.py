@@ -131,3 +131,12 @@ def test_corrupted_checkpoint_is_refused(trained_run: Path) -> None:
     assert proc.stderr.startswith("tessera: error:") and "Traceback" not in proc.stderr, proc.stderr
     assert "could not be read" in proc.stderr or "corrupted" in proc.stderr, proc.stderr
     assert _tree_digest(runs) == before
+
+
+def test_shipped_example_configs_validate() -> None:
+    from tessera.train.config import load_config
+
+    examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+    assert len(examples) >= 3
+    for path in examples:
+        load_config(path)

@@ -220,7 +220,11 @@ def train(cfg: Config) -> dict[str, Any]:
             step, batch_in_epoch = step + 1, batch_in_epoch + 1
             losses.append(global_loss)
             step_time = time.perf_counter() - t0
-            if rank0 and (step % cfg.train.log_every == 0 or step in (start_step + 1, cfg.train.steps)):
+            log_now = step % cfg.train.log_every == 0 or step in (start_step + 1, last_step)
+            if log_now:
+                per_rank_bytes = [0] * dist.get_world_size()
+                dist.all_gather_object(per_rank_bytes, state_bytes)  # every rank joins; rank 0 logs
+            if rank0 and log_now:
                 elapsed = time.perf_counter() - start_time
                 tok_s = (step - start_step) * tokens_per_step / elapsed
                 record = {
@@ -232,6 +236,7 @@ def train(cfg: Config) -> dict[str, Any]:
                     "step_time_s": step_time,
                     "achieved_tflops": tok_s * flops_per_token / 1e12,
                     "model_state_bytes_rank0": state_bytes,
+                    "model_state_bytes_per_rank": per_rank_bytes,
                     "epoch": epoch,
                 }
                 if cfg.train.peak_tflops:
