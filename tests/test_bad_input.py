@@ -61,6 +61,13 @@ CASES = [
     ("invalid-yaml", "model: {dim: [1, 2\n", [], "not valid YAML"),
     ("set-without-equals", GOOD, ["--set", "optimizer.lr"], "section.key=value"),
     ("set-unknown-key", GOOD, ["--set", "optimizer.learning_rate=1"], "optimizer.learning_rate"),
+    ("hf-config-missing", with_change("model.kind", "hf_config"), [], "model.hf_config"),
+    (
+        "hf-config-not-found",
+        {**GOOD, "model": {"kind": "hf_config", "hf_config": "/nonexistent/config.json"}},
+        [],
+        "does not exist",
+    ),
     ("nproc-too-many-for-batch", with_change("train.global_batch_size", 1), [], "global_batch_size"),
 ]
 

@@ -54,3 +54,11 @@ def llama(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, voca
         pad_token_id=0,
     )
     return LlamaForCausalLM(cfg)
+
+
+def from_config_file(path: str) -> nn.Module:
+    """``AutoModelForCausalLM`` from a local ``config.json`` (or the folder holding it), freshly initialised."""
+    _require_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))

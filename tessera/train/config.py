@@ -28,9 +28,11 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     """``kind: llama`` is the reference model sized by the fields below; ``kind: hf_gpt2`` /
-    ``hf_llama`` build a Hugging Face model from the same sizes."""
+    ``hf_llama`` build a Hugging Face model from the same sizes; ``kind: hf_config`` builds
+    ``AutoModelForCausalLM`` from a local Hugging Face ``config.json`` (``hf_config``), sizes ignored."""
 
-    kind: Literal["llama", "hf_gpt2", "hf_llama"] = "llama"
+    kind: Literal["llama", "hf_gpt2", "hf_llama", "hf_config"] = "llama"
+    hf_config: str | None = None
     dim: int = Field(128, gt=0)
     n_layers: int = Field(4, gt=0)
     n_heads: int = Field(4, gt=0)
@@ -40,6 +42,10 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
+        if (self.kind == "hf_config") != (self.hf_config is not None):
+            raise ValueError("model.hf_config (a path to a Hugging Face config.json) goes with model.kind: hf_config")
+        if self.hf_config is not None and not Path(self.hf_config).exists():
+            raise ValueError(f"model.hf_config='{self.hf_config}' does not exist: give a config.json or its folder")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:

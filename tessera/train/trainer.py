@@ -20,6 +20,7 @@ from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
+from tessera.parallel.data import unwrap as data_parallel_unwrap
 from tessera.train.config import Config, plan_from_config
 from tessera.train.metrics import MetricsLog, Progress, plot_loss, transformer_flops_per_token
 
@@ -44,6 +45,8 @@ def build_model(cfg: Config) -> nn.Module:
         )
     from tessera.models import hf
 
+    if m.kind == "hf_config":
+        return hf.from_config_file(m.hf_config)
     if m.kind == "hf_gpt2":
         return hf.gpt2(n_layer=m.n_layers, n_embd=m.dim, n_head=m.n_heads, vocab_size=vocab, seq_len=seq)
     return hf.llama(
@@ -202,7 +205,10 @@ def train(cfg: Config) -> dict[str, Any]:
     log = MetricsLog(run_dir, cfg.logging.tensorboard, step if resumed_from else None) if rank0 else None
     progress = Progress(cfg.train.steps, enabled=rank0 and cfg.logging.progress)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    flops_per_token = transformer_flops_per_token(n_params, cfg.model.n_layers, cfg.model.dim, cfg.data.seq_len)
+    hf_cfg = getattr(data_parallel_unwrap(model), "config", None)  # a model built from a config file knows its sizes
+    n_layers = getattr(hf_cfg, "num_hidden_layers", cfg.model.n_layers)
+    dim = getattr(hf_cfg, "hidden_size", cfg.model.dim)
+    flops_per_token = transformer_flops_per_token(n_params, n_layers, dim, cfg.data.seq_len)
     losses: list[float] = []
     start_step, start_time = step, time.perf_counter()
     last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
