@@ -20,16 +20,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from tessera import distributed
 from tessera.data.sharding import ShardedLoader, ShareBatchSampler
 from tessera.errors import PlanError
+from tessera.models.policies import policy_for
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data as data_parallel
 from tessera.parallel.grad_norm import clip_grads_
+from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
@@ -49,8 +51,10 @@ class Booster:
         self.device = distributed.pick_device(plan.device)
         distributed.init()
         self.plan = plan.resolve(dist.get_world_size())
-        self.mesh = init_device_mesh(self.device.type, (self.plan.dp,), mesh_dim_names=("dp",))
-        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.plan.check_composable()
+        # Ranks are laid out (dp, tp) row-major, as init_device_mesh does: tp neighbours share data.
+        self.dp_rank = dist.get_rank() // self.plan.tp
+        self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         shares = self.plan.shares()
         # Each rank's loss is a mean over its own samples; weight it by its share so the
         # averaged gradient is the gradient of the mean over the whole global batch.
@@ -75,18 +79,34 @@ class Booster:
                     f"the optimizer holds {len(foreign)} parameter(s) that are not in the model: "
                     "build the optimizer from model.parameters()."
                 )
-        wrapped = data_parallel.apply_data_parallel(model, self.plan, self.mesh, self.device)
+        if self.plan.tp > 1:
+            policy_for(model).check_tp(model, self.plan.tp)  # before any group is created
+            if not self.plan.offload:
+                model.to(self.device)
+            apply_tensor_parallel(model, self.mesh["tp"])
+        wrapped = data_parallel.apply_data_parallel(model, self.plan, self.mesh["dp"], self.device)
         self._model = wrapped
         if optimizer is None:
             return wrapped, None
         current = dict(data_parallel.unwrap(wrapped).named_parameters())
         groups = rebuild_optimizer(optimizer, lambda p: current[names[id(p)]])
         build = optimizer_factory(optimizer)
-        if self.plan.zero == 1:
+        if self.plan.zero == 1 and self.plan.tp == 1:
             inner = ShardedOptimizer(groups, build, self.mesh.get_group("dp"), offload=self.plan.offload)
         else:
             inner = build(groups)
         return wrapped, BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh: axes ("dp",) or ("dp", "tp")."""
+        if self._mesh is None:
+            if self.plan.tp > 1:
+                shape, names = (self.plan.dp, self.plan.tp), ("dp", "tp")
+            else:
+                shape, names = (self.plan.dp,), ("dp",)
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._mesh
 
     # --------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer | None = None) -> None:

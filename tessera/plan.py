@@ -198,7 +198,6 @@ class Plan:
     def check_supported(self) -> None:
         """Refuse fields whose feature has not landed yet, instead of ignoring them."""
         unsupported = {
-            "tp": (self.tp != 1, "tensor parallelism"),
             "pp": (self.pp != 1, "pipeline parallelism"),
             "sp": (self.sp != 1, "sequence parallelism"),
             "pipeline": (self.pipeline != PipelineSpec(), "pipeline stages and schedules"),
@@ -210,6 +209,16 @@ class Plan:
                     f"Plan.{name}={getattr(self, name)!r}: {feature} is not supported yet in this "
                     f"version of Tessera; leave Plan.{name} at its default."
                 )
+
+    def check_composable(self) -> None:
+        """Refuse (resolved) layouts whose pieces exist but do not compose yet."""
+        if self.tp > 1 and (self.dp or 1) > 1 and self.zero < 2:
+            raise NotSupportedYet(
+                f"Plan.tp={self.tp} with Plan.dp={self.dp} needs ZeRO-2 or ZeRO-3 (FSDP2 over the dp axis); DDP "
+                "and ZeRO-1 with tensor parallelism are not supported yet: set Plan.zero=2 or 3."
+            )
+        if self.tp > 1 and self.offload:
+            raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 
     # --------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:

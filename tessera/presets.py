@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tessera.errors import PlanError
-from tessera.plan import Plan
+from tessera.plan import PipelineSpec, Plan
 
 
 def _shares(dp_shares: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -33,3 +33,42 @@ def ZeRO(
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise PlanError(f"ZeRO(stage={stage!r}): stage must be 1, 2 or 3 (use tessera.DDP() for stage 0).")
     return Plan(zero=stage, offload=offload, precision=precision, dp_shares=_shares(dp_shares), device=device)
+
+
+def Hybrid(
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    sp: int = 1,
+    sp_mode: str = "split_gather",
+    zero: int = 0,
+    precision: str = "fp32",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    stages: Sequence[tuple[int, int]] | None = None,
+    dp_shares: Sequence[int] | None = None,
+    device: str = "auto",
+) -> Plan:
+    """Several parallel dimensions at once: dp × tp (× pp × sp as they land), ZeRO over dp.
+
+    Example:
+        >>> Hybrid(tp=2, zero=3).tp
+        2
+    """
+    pipeline = PipelineSpec(
+        stages=tuple(tuple(s) for s in stages) if stages is not None else None,
+        microbatches=microbatches,
+        schedule=schedule,
+    )
+    return Plan(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        sp_mode=sp_mode,
+        zero=zero,
+        precision=precision,
+        dp_shares=_shares(dp_shares),
+        pipeline=pipeline,
+        device=device,
+    )

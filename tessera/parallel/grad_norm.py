@@ -12,11 +12,13 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 
 def _sharded_over(g: DTensor) -> list[int]:
-    return [i for i, p in enumerate(g.placements) if isinstance(p, Shard)]
+    """Mesh dims over which ``g`` is split. Anything neither replicated nor partial splits the
+    elements: Shard, and FSDP2-over-TP's _StridedShard (which is not a Shard subclass)."""
+    return [i for i, p in enumerate(g.placements) if not (p.is_replicate() or p.is_partial())]
 
 
 def _partial(t: torch.Tensor, inf_norm: bool) -> torch.Tensor:

@@ -82,6 +82,7 @@ class PlanConfig(_Section):
 
     preset: Literal["ddp", "zero"] = "zero"
     zero: int = Field(2, ge=0, le=3)
+    tp: int = Field(1, gt=0, description="tensor-parallel degree (needs zero 2 or 3 when dp > 1)")
     offload: bool = False
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     dp_shares: list[int] | None = None
@@ -197,14 +198,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 def plan_from_config(cfg: PlanConfig) -> Any:
     """The tessera.Plan the config asks for."""
-    from tessera import DDP, Plan, ZeRO
+    from tessera import Plan
 
     try:
         if cfg.file:
             return Plan.load(cfg.file)
         shares = tuple(cfg.dp_shares) if cfg.dp_shares else None
-        if cfg.preset == "ddp" or cfg.zero == 0:
-            return DDP(precision=cfg.precision, dp_shares=shares)
-        return ZeRO(stage=cfg.zero, offload=cfg.offload, precision=cfg.precision, dp_shares=shares)
+        zero = 0 if cfg.preset == "ddp" else cfg.zero
+        return Plan(tp=cfg.tp, zero=zero, offload=cfg.offload, precision=cfg.precision, dp_shares=shares)
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from None

@@ -1,0 +1,32 @@
+"""Model policies: what a model family needs for tensor parallelism, as short data plus small checks.
+
+A policy names, for each submodule, the tensor-parallel style it gets, and checks the model's
+sizes against the tensor-parallel degree. No Hugging Face modeling file is copied or patched:
+the styles are applied to the model as it is.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tessera.errors import PlanError
+from tessera.models.policies.base import Policy
+from tessera.models.policies.hf_llama import HF_LLAMA
+from tessera.models.policies.llama import LLAMA
+
+POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA)
+
+
+def policy_for(model: nn.Module) -> Policy:
+    """The policy for ``model``'s family, or a PlanError naming the families that have one."""
+    for policy in POLICIES:
+        if policy.matches(model):
+            return policy
+    names = ", ".join(p.name for p in POLICIES)
+    raise PlanError(
+        f"tensor parallelism has no policy for {type(model).__name__}: policies exist for {names}. "
+        "Use Plan.tp=1 (data parallelism and ZeRO work for any model)."
+    )
+
+
+__all__ = ["POLICIES", "Policy", "policy_for"]

@@ -1,0 +1,39 @@
+"""Policy for the reference Llama (tessera.models.Llama)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from tessera.models.policies.base import Policy
+
+
+def _is_llama(model: nn.Module) -> bool:
+    from tessera.models.llama import Llama
+
+    return isinstance(model, Llama)
+
+
+LLAMA = Policy(
+    name="tessera Llama",
+    matches=_is_llama,
+    sizes=lambda m: {
+        "n_heads": m.config.n_heads,
+        "n_kv_heads": m.config.n_kv_heads,
+        "ffn_dim": m.config.ffn_dim,
+        "vocab_size": m.config.vocab_size,
+    },
+    tp_plan=lambda m: {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel embedding
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    },
+    tied_embeddings=lambda m: m.config.tie_embeddings,
+)
