@@ -59,6 +59,8 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         return hf.gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ)
     if kind == "hf_llama":
         return hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
+    if kind == "hf_qwen2":
+        return hf.qwen2(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
     raise ValueError(kind)
 
 

@@ -98,18 +98,20 @@ def reference(kind: str) -> dict:
     return reference_run(kind, GLOBAL_BATCH_DEFAULT, 3)
 
 
-@pytest.mark.parametrize(
-    "plan,world",
-    [
-        (tessera.Hybrid(tp=2), 2),
-        (tessera.Hybrid(tp=2, zero=2), 4),
-        (tessera.Hybrid(tp=2, zero=3), 4),
-        (tessera.Hybrid(tp=2, zero=3, dp_shares=(3, 1)), 4),
-    ],
-    ids=["tp2", "dp2xtp2-zero2", "dp2xtp2-zero3", "dp2xtp2-zero3-shares3-1"],
-)
-@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
-def test_tensor_parallel_training_equals_single_process(kind: str, plan: tessera.Plan, world: int) -> None:
+LAYOUTS = {
+    "tp2": (tessera.Hybrid(tp=2), 2),
+    "dp2xtp2-zero2": (tessera.Hybrid(tp=2, zero=2), 4),
+    "dp2xtp2-zero3": (tessera.Hybrid(tp=2, zero=3), 4),
+    "dp2xtp2-zero3-shares3-1": (tessera.Hybrid(tp=2, zero=3, dp_shares=(3, 1)), 4),
+}
+CASES = [("llama", layout) for layout in LAYOUTS] + [
+    (kind, layout) for kind in ("hf_llama", "hf_qwen2") for layout in ("tp2", "dp2xtp2-zero3")
+]
+
+
+@pytest.mark.parametrize("kind,layout", CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
+def test_tensor_parallel_training_equals_single_process(kind: str, layout: str) -> None:
+    plan, world = LAYOUTS[layout]
     results = run_ranks(tessera_run, world, plan.to_dict(), kind, GLOBAL_BATCH_DEFAULT, 3)
     assert_same_training(results[0], reference(kind))
 

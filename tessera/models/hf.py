@@ -62,3 +62,24 @@ def from_config_file(path: str) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def qwen2(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, vocab_size: int, seq_len: int) -> nn.Module:
+    """A freshly initialised ``Qwen2ForCausalLM`` (Llama-like, with q/k/v biases), untied embeddings."""
+    _require_transformers()
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(cfg)
