@@ -31,6 +31,7 @@ from tessera.models.policies import policy_for
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data as data_parallel
 from tessera.parallel.grad_norm import clip_grads_
+from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
@@ -84,6 +85,7 @@ class Booster:
             if not self.plan.offload:
                 model.to(self.device)
             apply_tensor_parallel(model, self.mesh["tp"])
+        apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
         wrapped = data_parallel.apply_data_parallel(model, self.plan, self.mesh["dp"], self.device)
         self._model = wrapped
         if optimizer is None:

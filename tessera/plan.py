@@ -201,7 +201,6 @@ class Plan:
             "pp": (self.pp != 1, "pipeline parallelism"),
             "sp": (self.sp != 1, "sequence parallelism"),
             "pipeline": (self.pipeline != PipelineSpec(), "pipeline stages and schedules"),
-            "recompute": (self.recompute != "none", "activation recompute"),
         }
         for name, (asked, feature) in unsupported.items():
             if asked:

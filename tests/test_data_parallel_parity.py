@@ -84,3 +84,16 @@ def test_clip_grad_norm_is_the_global_norm(preset: str) -> None:
     max_norm = 0.05
     assert min(reference("llama", max_norm)["norms"]) > max_norm, "the test must really clip"
     run_parity("llama", PRESETS[preset], 2, max_norm=max_norm)
+
+
+@pytest.mark.parametrize(
+    "plan,kind",
+    [
+        (tessera.Plan(zero=3, recompute="full"), "llama"),
+        (tessera.Plan(zero=0, recompute="selective"), "gpt2"),
+        (tessera.Plan(zero=2, recompute="full"), "hf_llama"),
+    ],
+    ids=["zero3-full-llama", "ddp-selective-gpt2", "zero2-full-hf-llama"],
+)
+def test_recompute_changes_memory_not_results(plan: tessera.Plan, kind: str) -> None:
+    run_parity(kind, plan, 2)

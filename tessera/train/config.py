@@ -84,6 +84,7 @@ class PlanConfig(_Section):
     zero: int = Field(2, ge=0, le=3)
     tp: int = Field(1, gt=0, description="tensor-parallel degree (needs zero 2 or 3 when dp > 1)")
     offload: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     dp_shares: list[int] | None = None
     file: str | None = None
@@ -205,6 +206,13 @@ def plan_from_config(cfg: PlanConfig) -> Any:
             return Plan.load(cfg.file)
         shares = tuple(cfg.dp_shares) if cfg.dp_shares else None
         zero = 0 if cfg.preset == "ddp" else cfg.zero
-        return Plan(tp=cfg.tp, zero=zero, offload=cfg.offload, precision=cfg.precision, dp_shares=shares)
+        return Plan(
+            tp=cfg.tp,
+            zero=zero,
+            offload=cfg.offload,
+            precision=cfg.precision,
+            dp_shares=shares,
+            recompute=cfg.recompute,
+        )
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from None
