@@ -53,9 +53,12 @@ class Booster:
         distributed.init()
         self.plan = plan.resolve(dist.get_world_size())
         self.plan.check_composable()
-        # Ranks are laid out (dp, tp) row-major, as init_device_mesh does: tp neighbours share data.
-        self.dp_rank = dist.get_rank() // self.plan.tp
+        # Ranks are laid out (dp, tp) or (dp, sp) row-major, as init_device_mesh does: the ranks
+        # of one tp or sp group are neighbours and share their samples.
+        self.dp_rank = dist.get_rank() // (self.plan.tp * self.plan.sp)
+        self.sp_rank = dist.get_rank() % self.plan.sp
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
+        self._grad_mesh: DeviceMesh | None = None
         shares = self.plan.shares()
         # Each rank's loss is a mean over its own samples; weight it by its share so the
         # averaged gradient is the gradient of the mean over the whole global batch.
@@ -85,8 +88,10 @@ class Booster:
             if not self.plan.offload:
                 model.to(self.device)
             apply_tensor_parallel(model, self.mesh["tp"])
+        if self.plan.sp > 1:
+            policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
         apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
-        wrapped = data_parallel.apply_data_parallel(model, self.plan, self.mesh["dp"], self.device)
+        wrapped = data_parallel.apply_data_parallel(model, self.plan, self.grad_mesh, self.device)
         self._model = wrapped
         if optimizer is None:
             return wrapped, None
@@ -94,7 +99,7 @@ class Booster:
         groups = rebuild_optimizer(optimizer, lambda p: current[names[id(p)]])
         build = optimizer_factory(optimizer)
         if self.plan.zero == 1 and self.plan.tp == 1:
-            inner = ShardedOptimizer(groups, build, self.mesh.get_group("dp"), offload=self.plan.offload)
+            inner = ShardedOptimizer(groups, build, self.grad_mesh.get_group(), offload=self.plan.offload)
         else:
             inner = build(groups)
         return wrapped, BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
@@ -105,10 +110,23 @@ class Booster:
         if self._mesh is None:
             if self.plan.tp > 1:
                 shape, names = (self.plan.dp, self.plan.tp), ("dp", "tp")
+            elif self.plan.sp > 1:
+                shape, names = (self.plan.dp, self.plan.sp), ("dp", "sp")
             else:
                 shape, names = (self.plan.dp,), ("dp",)
             self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         return self._mesh
+
+    @property
+    def grad_mesh(self) -> DeviceMesh:
+        """The 1-D mesh over which gradients are averaged: ``dp``, or dp × sp with sequence
+        parallelism (sp ranks see different tokens of the same samples)."""
+        if self.plan.sp == 1:
+            return self.mesh["dp"]
+        if self._grad_mesh is None:
+            self.mesh  # noqa: B018 -- the (dp, sp) groups first, in the same order on every rank
+            self._grad_mesh = init_device_mesh(self.device.type, (self.plan.dp * self.plan.sp,), mesh_dim_names=("dp",))
+        return self._grad_mesh
 
     # --------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer | None = None) -> None:
@@ -134,8 +152,8 @@ class Booster:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the whole global batch (every rank gets the same value)."""
-        value = loss.detach().float() * self.loss_weight / self.plan.dp
-        dist.all_reduce(value, group=self.mesh.get_group("dp"))
+        value = loss.detach().float() * self.loss_weight / self.grad_mesh.size()
+        dist.all_reduce(value, group=self.grad_mesh.get_group())
         return value
 
     # ------------------------------------------------------------------- data
@@ -157,7 +175,10 @@ class Booster:
             seed=seed,
             shuffle=shuffle,
         )
-        return ShardedLoader(dataset, sampler, self.device, collate_fn=collate_fn, num_workers=num_workers)
+        seq_slice = (self.sp_rank, self.plan.sp) if self.plan.sp > 1 else None
+        return ShardedLoader(
+            dataset, sampler, self.device, collate_fn=collate_fn, num_workers=num_workers, seq_slice=seq_slice
+        )
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

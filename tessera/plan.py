@@ -199,7 +199,7 @@ class Plan:
         """Refuse fields whose feature has not landed yet, instead of ignoring them."""
         unsupported = {
             "pp": (self.pp != 1, "pipeline parallelism"),
-            "sp": (self.sp != 1, "sequence parallelism"),
+            "sp": (self.sp != 1 and self.sp_mode != "all_to_all", "Megatron split/gather sequence parallelism"),
             "pipeline": (self.pipeline != PipelineSpec(), "pipeline stages and schedules"),
         }
         for name, (asked, feature) in unsupported.items():
@@ -216,6 +216,8 @@ class Plan:
                 f"Plan.tp={self.tp} with Plan.dp={self.dp} needs ZeRO-2 or ZeRO-3 (FSDP2 over the dp axis); DDP "
                 "and ZeRO-1 with tensor parallelism are not supported yet: set Plan.zero=2 or 3."
             )
+        if self.sp > 1 and self.tp > 1:
+            raise NotSupportedYet(f"Plan.sp={self.sp} together with Plan.tp={self.tp} is not supported yet: use one.")
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 

@@ -1,11 +1,14 @@
-"""Hybrid-issue acceptance 3: Ulysses attention (sp=2, with and without GQA) equals full attention."""
+"""Hybrid-issue acceptance 3 and the sp part of 6: Ulysses attention equals full attention, and
+Ulysses training of the reference Llama equals single-process training."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from parity import GLOBAL_BATCH_DEFAULT, assert_same_training, reference_run, tessera_run
 
+import tessera
 from tessera.testing import run_ranks
 
 
@@ -62,3 +65,23 @@ def heads_not_dividing_worker() -> str:
 
 def test_heads_not_dividing_sp_is_a_clear_error() -> None:
     assert "3 attention heads do not divide by sp=2" in run_ranks(heads_not_dividing_worker, 2)[0]
+
+
+SP_LAYOUTS = {
+    "sp2": (tessera.Plan(sp=2, sp_mode="all_to_all"), 2),
+    "dp2xsp2-zero1": (tessera.Plan(sp=2, sp_mode="all_to_all", zero=1), 4),
+    "dp2xsp2-zero3": (tessera.Plan(sp=2, sp_mode="all_to_all", zero=3), 4),
+    "dp2xsp2-zero2-shares3-1": (tessera.Plan(sp=2, sp_mode="all_to_all", zero=2, dp_shares=(3, 1)), 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(SP_LAYOUTS))
+def test_ulysses_training_equals_single_process(layout: str) -> None:
+    plan, world = SP_LAYOUTS[layout]
+    results = run_ranks(tessera_run, world, plan.to_dict(), "llama", GLOBAL_BATCH_DEFAULT, 3)
+    assert_same_training(results[0], reference_run("llama", GLOBAL_BATCH_DEFAULT, 3))
+
+
+def test_split_gather_is_refused_until_it_lands() -> None:
+    with pytest.raises(tessera.NotSupportedYet, match="split/gather"):
+        tessera.Plan(sp=2, sp_mode="split_gather").check_supported()

@@ -102,9 +102,13 @@ class ShardedLoader:
         device: torch.device,
         collate_fn: Callable | None = None,
         num_workers: int = 0,
+        seq_slice: tuple[int, int] | None = None,
     ) -> None:
+        """``seq_slice=(i, P)``: sequence parallelism; keep the i-th of P slices of dim 1 of every
+        tensor with two or more dims (tokens and targets), so each rank sees its part of the sequence."""
         self.sampler = sampler
         self.device = device
+        self.seq_slice = seq_slice
         self.loader = DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -129,4 +133,25 @@ class ShardedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
+            if self.seq_slice is not None:
+                batch = slice_sequence(batch, *self.seq_slice)
             yield to_device(batch, self.device)
+
+
+def slice_sequence(batch: Any, index: int, parts: int) -> Any:
+    """The ``index``-th of ``parts`` equal slices of dim 1 of every tensor with two or more dims."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() < 2:
+            return batch
+        if batch.shape[1] % parts:
+            raise PlanError(
+                f"sequence length {batch.shape[1]} does not divide by Plan.sp={parts}: use a sequence "
+                "length that is a multiple of sp."
+            )
+        step = batch.shape[1] // parts
+        return batch[:, index * step : (index + 1) * step]
+    if isinstance(batch, dict):
+        return {k: slice_sequence(v, index, parts) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_sequence(v, index, parts) for v in batch)
+    return batch

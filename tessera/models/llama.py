@@ -83,6 +83,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.sp_group = None  # set by the Ulysses policy hook: attention over the whole sequence
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -90,6 +91,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.sp_group is not None:  # this rank holds a slice of the sequence
+            from tessera.parallel.sequence import ulysses_attention
+
+            out = ulysses_attention(q, k, v, self.sp_group)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -139,6 +145,7 @@ class Llama(nn.Module):
         # Not parameters and not saved: rebuilt from the config, so checkpoints hold weights only.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.sp_group = None  # set by the Ulysses policy hook
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -153,10 +160,12 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds LlamaConfig.max_seq_len={self.config.max_seq_len}")
+        # Under sequence parallelism ``tokens`` is this rank's slice: positions start at its offset.
+        start = seq * torch.distributed.get_rank(self.sp_group) if self.sp_group is not None else 0
+        if start + seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + seq} exceeds LlamaConfig.max_seq_len={self.config.max_seq_len}")
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope_cos[start : start + seq], self.rope_sin[start : start + seq]
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

@@ -83,6 +83,7 @@ class PlanConfig(_Section):
     preset: Literal["ddp", "zero"] = "zero"
     zero: int = Field(2, ge=0, le=3)
     tp: int = Field(1, gt=0, description="tensor-parallel degree (needs zero 2 or 3 when dp > 1)")
+    sp: int = Field(1, gt=0, description="Ulysses sequence-parallel degree (all-to-all attention)")
     offload: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -148,12 +148,20 @@ def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: 
     tok = ByteTokenizer()
     tokens = torch.tensor([tok.encode(prompt)], device=device)
     g = torch.Generator(device=device).manual_seed(0)  # same draws on every rank
+    # Sequence-parallel modules would expect a slice of the sequence: generate on the whole one.
+    sp_modules = [(m, m.sp_group) for m in model.modules() if getattr(m, "sp_group", None) is not None]
+    for m, _ in sp_modules:
+        m.sp_group = None
     model.eval()
-    for _ in range(n_bytes):
-        logits = logits_of(model(tokens[:, -seq_len:]))[:, -1].float()
-        probs = torch.softmax(logits / 0.8, dim=-1)
-        tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=g)], dim=1)
-    model.train()
+    try:
+        for _ in range(n_bytes):
+            logits = logits_of(model(tokens[:, -seq_len:]))[:, -1].float()
+            probs = torch.softmax(logits / 0.8, dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=g)], dim=1)
+    finally:
+        model.train()
+        for m, group in sp_modules:
+            m.sp_group = group
     return tok.decode(tokens[0].tolist())
 
 

@@ -18,6 +18,14 @@ class Policy:
     sizes: Callable[[nn.Module], dict[str, int]]  # sizes that tp must divide, by config name
     tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]]  # module path (fnmatch-style) -> style
     tied_embeddings: Callable[[nn.Module], bool]
+    ulysses: Callable[[nn.Module, object], None] | None = None  # route attention through Ulysses all-to-all
+
+    def enable_ulysses(self, model: nn.Module, group: object) -> None:
+        if self.ulysses is None:
+            raise PlanError(
+                f"Ulysses sequence parallelism (Plan.sp > 1) has no hook for {self.name} yet: use Plan.sp=1."
+            )
+        self.ulysses(model, group)
 
     def check_tp(self, model: nn.Module, tp: int) -> None:
         """Refuse a tensor-parallel degree the model's sizes cannot be split by."""

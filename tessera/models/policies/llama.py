@@ -15,6 +15,12 @@ def _is_llama(model: nn.Module) -> bool:
     return isinstance(model, Llama)
 
 
+def _ulysses(model: nn.Module, group: object) -> None:
+    model.sp_group = group  # rotary positions start at this rank's sequence offset
+    for layer in model.layers:
+        layer.attention.sp_group = group
+
+
 LLAMA = Policy(
     name="tessera Llama",
     matches=_is_llama,
@@ -36,4 +42,5 @@ LLAMA = Policy(
         "output": ColwiseParallel(output_layouts=Replicate()),
     },
     tied_embeddings=lambda m: m.config.tie_embeddings,
+    ulysses=_ulysses,
 )
