@@ -68,6 +68,7 @@ CASES = [
         [],
         "does not exist",
     ),
+    ("negative-peak", with_change("train.peak_tflops", {"cpu": -1.0}), [], "train.peak_tflops"),
     ("nproc-too-many-for-batch", with_change("train.global_batch_size", 1), [], "global_batch_size"),
 ]
 

@@ -101,7 +101,19 @@ class TrainConfig(_Section):
     log_every: int = Field(10, gt=0)
     sample_bytes: int = Field(120, ge=0, description="bytes of text to generate at the end (0: none)")
     timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails the run")
-    peak_tflops: float | None = Field(None, gt=0, description="declared per-device peak for MFU")
+    peak_tflops: float | dict[str, float] | None = Field(
+        None,
+        description="declared dense peak TFLOP/s for MFU: one number for every device, or a map from "
+        "device type (torch's CUDA device name, or 'cpu') to its peak, for mixed clusters",
+    )
+
+    @model_validator(mode="after")
+    def _peaks_positive(self) -> TrainConfig:
+        peaks = self.peak_tflops
+        values = peaks.values() if isinstance(peaks, dict) else [peaks] if peaks is not None else []
+        if any(v <= 0 for v in values):
+            raise ValueError(f"train.peak_tflops must be positive, got {peaks}")
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -150,6 +162,8 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}'{nearest(key, valid)}")
+        elif err["type"] == "value_error":  # our own checks already name the key
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
         elif key:
             lines.append(f"'{key}': {err['msg']} (got {err.get('input')!r})")
         else:

@@ -17,6 +17,31 @@ def transformer_flops_per_token(n_params: int, n_layers: int, dim: int, seq_len:
     return 6.0 * n_params + 12.0 * n_layers * dim * seq_len
 
 
+def device_type(device: Any) -> str:
+    """The name MFU peaks are declared under: torch's CUDA device name, or 'cpu'."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if getattr(device, "type", "cpu") == "cuda" else "cpu"
+
+
+def job_peak_tflops(peak: float | dict[str, float] | None, device: Any) -> float | None:
+    """Sum of the declared peaks of every rank's device (all ranks must call this)."""
+    import torch.distributed as dist
+
+    if peak is None:
+        return None
+    names: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(names, device_type(device))
+    if not isinstance(peak, dict):
+        return float(peak) * len(names)
+    missing = sorted(set(names) - peak.keys())
+    if missing:
+        raise ValueError(
+            f"train.peak_tflops names no peak for device type(s) {missing}: add them (known: {sorted(peak)})."
+        )
+    return sum(peak[n] for n in names)
+
+
 class Progress:
     """One line per report: step, loss, tokens/s, ETA; redrawn in place on a terminal."""
 

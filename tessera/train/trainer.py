@@ -22,7 +22,7 @@ from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
 from tessera.parallel.data import unwrap as data_parallel_unwrap
 from tessera.train.config import Config, plan_from_config
-from tessera.train.metrics import MetricsLog, Progress, plot_loss, transformer_flops_per_token
+from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -210,6 +210,7 @@ def train(cfg: Config) -> dict[str, Any]:
             {"plan": booster.plan.to_dict(), "config": cfg.model_dump(mode="json")},
         )
 
+    job_peak = job_peak_tflops(cfg.train.peak_tflops, booster.device)  # may refuse: before any file is written
     log = MetricsLog(run_dir, cfg.logging.tensorboard, step if resumed_from else None) if rank0 else None
     progress = Progress(cfg.train.steps, enabled=rank0 and cfg.logging.progress)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -253,8 +254,8 @@ def train(cfg: Config) -> dict[str, Any]:
                     "model_state_bytes_per_rank": per_rank_bytes,
                     "epoch": epoch,
                 }
-                if cfg.train.peak_tflops:
-                    record["mfu"] = record["achieved_tflops"] / (cfg.train.peak_tflops * dist.get_world_size())
+                if job_peak:
+                    record["mfu"] = record["achieved_tflops"] / job_peak
                 log.log(record)
                 progress.update(step, global_loss, tok_s, elapsed, step - start_step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
