@@ -30,7 +30,7 @@ def test_killed_rank_restarts_and_matches_uninterrupted_run(tmp_path: Path) -> N
     plan = {"preset": "zero", "zero": 3}
     faulty, clean = tmp_path / "faulty", tmp_path / "clean"
     proc = _launch(
-        tiny_config(faulty, steps=8, every=2, plan=plan), tmp_path, "faulty", "--max-restarts", "1", fault="1:5"
+        tiny_config(faulty, steps=8, every=2, plan=plan), tmp_path, "faulty", "--max-restarts", "2", fault="1:5"
     )  # rank 1 dies just before step 5, after the step-4 checkpoint
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step_00000004 at step 4" in proc.stdout, proc.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,134 +166,168 @@ def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: 
     return tok.decode(tokens[0].tolist())
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Train as ``cfg`` says; return a summary (first/last loss, steps, paths) on every rank."""
-    tessera.init(timeout_s=cfg.train.timeout_s)
-    torch.manual_seed(cfg.train.seed)
-    booster = tessera.Booster(plan_from_config(cfg.plan))
-    rank0 = dist.get_rank() == 0
-    dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
-    model = build_model(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    model, optimizer = booster.boost(model, build_optimizer(cfg, model.parameters()))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
-    loader = booster.dataloader(dataset, cfg.train.global_batch_size, seed=cfg.train.seed)
-    run_dir, ckpt_root = cfg.run_dir, cfg.run_dir / "checkpoints"
+class Trainer:
+    """One training run: set-up from the config, then ``run()``; each method does one job."""
 
-    step, epoch, batch_in_epoch = 0, 0, 0
-    resumed_from = latest_checkpoint(ckpt_root) if cfg.checkpoint.resume == "auto" else None
-    if resumed_from is not None:
-        state = load_checkpoint(resumed_from, model, optimizer)
-        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        schedule.load_state_dict(state["scheduler"])
-        if booster.scaler is not None and state.get("scaler"):
-            booster.scaler.load_state_dict(state["scaler"])
-        if rank0:
-            print(f"resumed from {resumed_from} at step {step}", flush=True)
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        tessera.init(timeout_s=cfg.train.timeout_s)
+        torch.manual_seed(cfg.train.seed)
+        self.booster = tessera.Booster(plan_from_config(cfg.plan))
+        self.rank0 = dist.get_rank() == 0
+        dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
+        model = build_model(cfg)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, model.parameters()))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
+        self.loader = self.booster.dataloader(dataset, cfg.train.global_batch_size, seed=cfg.train.seed)
+        self.ckpt_root = cfg.run_dir / "checkpoints"
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.resumed_from = self._restore() if cfg.checkpoint.resume == "auto" else None
+        self.job_peak = job_peak_tflops(cfg.train.peak_tflops, self.booster.device)  # may refuse: no file yet
+        self.flops_per_token = self._flops_per_token()
+        self.losses: list[float] = []
 
-    def trainer_state() -> dict[str, Any]:
+    def _restore(self) -> Path | None:
+        """Continue from the newest complete checkpoint, if there is one."""
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return None
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.schedule.load_state_dict(state["scheduler"])
+        if self.booster.scaler is not None and state.get("scaler"):
+            self.booster.scaler.load_state_dict(state["scaler"])
+        if self.rank0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+        return path
+
+    def _flops_per_token(self) -> float:
+        hf_cfg = getattr(data_parallel_unwrap(self.model), "config", None)  # a config-built model knows its sizes
+        n_layers = getattr(hf_cfg, "num_hidden_layers", self.cfg.model.n_layers)
+        dim = getattr(hf_cfg, "hidden_size", self.cfg.model.dim)
+        return transformer_flops_per_token(self.n_params, n_layers, dim, self.cfg.data.seq_len)
+
+    def checkpoint(self) -> None:
+        trainer_state = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "scheduler": self.schedule.state_dict(),
+            "scaler": self.booster.scaler.state_dict() if self.booster.scaler else None,
+        }
+        meta = {"plan": self.booster.plan.to_dict(), "config": self.cfg.model_dump(mode="json")}
+        save_checkpoint(
+            self.ckpt_root, self.step, self.model, self.optimizer, trainer_state, self.cfg.checkpoint.keep, meta
+        )
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``train.steps`` (or ``stop_at``), checkpoint, report; return a summary on every rank."""
+        cfg = self.cfg
+        resume_step = self.step if self.resumed_from else None
+        log = MetricsLog(cfg.run_dir, cfg.logging.tensorboard, resume_step) if self.rank0 else None
+        progress = Progress(cfg.train.steps, enabled=self.rank0 and cfg.logging.progress)
+        start_step, start_time = self.step, time.perf_counter()
+        last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+        while self.step < last_step:
+            self.loader.set_epoch(self.epoch, self.batch_in_epoch)
+            for batch in self.loader:
+                _fault_rank(self.step + 1)
+                t0 = time.perf_counter()
+                loss, grad_norm, state_bytes = train_step(
+                    self.model,
+                    self.optimizer,
+                    self.booster,
+                    batch,
+                    cfg.optimizer.grad_clip,
+                    self.step + 1,
+                    cfg.train.timeout_s,
+                )
+                lr = self.schedule.get_last_lr()[0]
+                self.schedule.step()
+                global_loss = self.booster.reduce_loss(loss).item()
+                self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
+                self.losses.append(global_loss)
+                if self.step % cfg.train.log_every == 0 or self.step in (start_step + 1, last_step):
+                    timing = (time.perf_counter() - t0, time.perf_counter() - start_time, self.step - start_step)
+                    self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.checkpoint()
+                if self.step == last_step:
+                    break
+            else:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        progress.close()
+        if not cfg.checkpoint.every or self.step % cfg.checkpoint.every:
+            self.checkpoint()
+        return self._finish(log, start_step)
+
+    def _report(
+        self,
+        log: MetricsLog | None,
+        progress: Progress,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        state_bytes: int,
+        timing: tuple[float, float, int],
+    ) -> None:
+        """One metrics record (rank 0 writes it; every rank joins the per-rank byte count)."""
+        per_rank_bytes = [0] * dist.get_world_size()
+        dist.all_gather_object(per_rank_bytes, state_bytes)
+        if log is None:
+            return
+        step_time, elapsed, done = timing
+        tok_s = done * self.cfg.train.global_batch_size * self.cfg.data.seq_len / elapsed
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tok_s,
+            "step_time_s": step_time,
+            "achieved_tflops": tok_s * self.flops_per_token / 1e12,
+            "model_state_bytes_rank0": state_bytes,
+            "model_state_bytes_per_rank": per_rank_bytes,
+            "epoch": self.epoch,
+        }
+        if self.job_peak:
+            record["mfu"] = record["achieved_tflops"] / self.job_peak
+        log.log(record)
+        progress.update(self.step, loss, tok_s, elapsed, done)
+
+    def _finish(self, log: MetricsLog | None, start_step: int) -> dict[str, Any]:
+        """Sample some text, close the log, draw the curve, print the summary."""
+        cfg, losses = self.cfg, self.losses
+        sample = (
+            generate(self.model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, self.booster.device)
+            if cfg.train.sample_bytes
+            else ""
+        )
+        if log is not None:
+            log.close()
+            title = (
+                f"{cfg.logging.run_name}: {self.n_params / 1e6:.2f}M params, "
+                f"plan zero={self.booster.plan.zero}, {dist.get_world_size()} ranks"
+            )
+            plot_loss(log.path, cfg.run_dir / "loss.png", title)
+            if losses:
+                print(
+                    f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start_step + 1}-{self.step}; "
+                    f"metrics: {log.path}; plot: {cfg.run_dir / 'loss.png'}",
+                    flush=True,
+                )
+            if sample:
+                print("sample:\n" + sample, flush=True)
         return {
-            "step": step,
-            "epoch": epoch,
-            "batch_in_epoch": batch_in_epoch,
-            "scheduler": schedule.state_dict(),
-            "scaler": booster.scaler.state_dict() if booster.scaler else None,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "steps": self.step,
+            "run_dir": str(cfg.run_dir),
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
 
-    def checkpoint() -> None:
-        save_checkpoint(
-            ckpt_root,
-            step,
-            model,
-            optimizer,
-            trainer_state(),
-            cfg.checkpoint.keep,
-            {"plan": booster.plan.to_dict(), "config": cfg.model_dump(mode="json")},
-        )
 
-    job_peak = job_peak_tflops(cfg.train.peak_tflops, booster.device)  # may refuse: before any file is written
-    log = MetricsLog(run_dir, cfg.logging.tensorboard, step if resumed_from else None) if rank0 else None
-    progress = Progress(cfg.train.steps, enabled=rank0 and cfg.logging.progress)
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    hf_cfg = getattr(data_parallel_unwrap(model), "config", None)  # a model built from a config file knows its sizes
-    n_layers = getattr(hf_cfg, "num_hidden_layers", cfg.model.n_layers)
-    dim = getattr(hf_cfg, "hidden_size", cfg.model.dim)
-    flops_per_token = transformer_flops_per_token(n_params, n_layers, dim, cfg.data.seq_len)
-    losses: list[float] = []
-    start_step, start_time = step, time.perf_counter()
-    last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
-    while step < last_step:
-        loader.set_epoch(epoch, batch_in_epoch)
-        for batch in loader:
-            _fault_rank(step + 1)
-            t0 = time.perf_counter()
-            loss, grad_norm, state_bytes = train_step(
-                model, optimizer, booster, batch, cfg.optimizer.grad_clip, step + 1, cfg.train.timeout_s
-            )
-            lr = schedule.get_last_lr()[0]
-            schedule.step()
-            global_loss = booster.reduce_loss(loss).item()
-            step, batch_in_epoch = step + 1, batch_in_epoch + 1
-            losses.append(global_loss)
-            step_time = time.perf_counter() - t0
-            log_now = step % cfg.train.log_every == 0 or step in (start_step + 1, last_step)
-            if log_now:
-                per_rank_bytes = [0] * dist.get_world_size()
-                dist.all_gather_object(per_rank_bytes, state_bytes)  # every rank joins; rank 0 logs
-            if rank0 and log_now:
-                elapsed = time.perf_counter() - start_time
-                tok_s = (step - start_step) * tokens_per_step / elapsed
-                record = {
-                    "step": step,
-                    "loss": global_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens_per_s": tok_s,
-                    "step_time_s": step_time,
-                    "achieved_tflops": tok_s * flops_per_token / 1e12,
-                    "model_state_bytes_rank0": state_bytes,
-                    "model_state_bytes_per_rank": per_rank_bytes,
-                    "epoch": epoch,
-                }
-                if job_peak:
-                    record["mfu"] = record["achieved_tflops"] / job_peak
-                log.log(record)
-                progress.update(step, global_loss, tok_s, elapsed, step - start_step)
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                checkpoint()
-            if step == last_step:
-                break
-        else:
-            epoch, batch_in_epoch = epoch + 1, 0
-    progress.close()
-    if not cfg.checkpoint.every or step % cfg.checkpoint.every:
-        checkpoint()
-    sample = (
-        generate(model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, booster.device)
-        if cfg.train.sample_bytes
-        else ""
-    )
-    summary = {
-        "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None,
-        "steps": step,
-        "run_dir": str(run_dir),
-        "resumed_from": str(resumed_from) if resumed_from else None,
-    }
-    if rank0:
-        log.close()
-        plot_loss(
-            log.path,
-            run_dir / "loss.png",
-            f"{cfg.logging.run_name}: {n_params / 1e6:.2f}M params, "
-            f"plan zero={booster.plan.zero}, {dist.get_world_size()} ranks",
-        )
-        if losses:
-            print(
-                f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start_step + 1}-{step}; "
-                f"metrics: {log.path}; plot: {run_dir / 'loss.png'}",
-                flush=True,
-            )
-        if sample:
-            print("sample:\n" + sample, flush=True)
-    return summary
+def train(cfg: Config) -> dict[str, Any]:
+    """Train as ``cfg`` says; return a summary (first/last loss, steps, paths) on every rank."""
+    return Trainer(cfg).run()
