@@ -36,12 +36,19 @@ def gpt2(n_layer: int, n_embd: int, n_head: int, vocab_size: int, seq_len: int, 
     return GPT2LMHeadModel(cfg)
 
 
-def llama(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, vocab_size: int, seq_len: int) -> nn.Module:
-    """A freshly initialised ``LlamaForCausalLM`` (grouped-query attention when n_kv_head < n_head)."""
-    _require_transformers()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+def _llama_like(
+    config_cls: type,
+    model_cls: type,
+    n_layer: int,
+    hidden: int,
+    n_head: int,
+    n_kv_head: int,
+    ffn: int,
+    vocab_size: int,
+    seq_len: int,
+    **extra: object,
+) -> nn.Module:
+    cfg = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=ffn,
@@ -52,8 +59,17 @@ def llama(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, voca
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
+        **extra,
     )
-    return LlamaForCausalLM(cfg)
+    return model_cls(cfg)
+
+
+def llama(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, vocab_size: int, seq_len: int) -> nn.Module:
+    """A freshly initialised ``LlamaForCausalLM`` (grouped-query attention when n_kv_head < n_head)."""
+    _require_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _llama_like(LlamaConfig, LlamaForCausalLM, n_layer, hidden, n_head, n_kv_head, ffn, vocab_size, seq_len)
 
 
 def from_config_file(path: str) -> nn.Module:
@@ -69,17 +85,15 @@ def qwen2(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, voca
     _require_transformers()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=n_layer,
-        num_attention_heads=n_head,
-        num_key_value_heads=n_kv_head,
-        max_position_embeddings=seq_len,
+    return _llama_like(
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        n_layer,
+        hidden,
+        n_head,
+        n_kv_head,
+        ffn,
+        vocab_size,
+        seq_len,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
     )
-    return Qwen2ForCausalLM(cfg)
