@@ -82,6 +82,38 @@ class PipelineSpec:
                     raise PlanError(
                         f"Plan.pipeline.stages[{i}]={stage!r} must be a layer range (first, end) with 0 <= first < end."
                     )
+            if self.stages and self.stages[0][0] != 0:
+                raise PlanError(
+                    f"Plan.pipeline.stages[0]={self.stages[0]!r} must start at layer 0: layers "
+                    f"0-{self.stages[0][0] - 1} would belong to no stage."
+                )
+            for i in range(1, len(self.stages)):
+                prev, this = self.stages[i - 1], self.stages[i]
+                if this[0] < prev[1]:
+                    raise PlanError(
+                        f"Plan.pipeline.stages[{i - 1}]={prev!r} and stages[{i}]={this!r} overlap: layers "
+                        f"{this[0]}-{prev[1] - 1} would run twice. Stage i must start where stage i-1 ends."
+                    )
+                if this[0] > prev[1]:
+                    raise PlanError(
+                        f"Plan.pipeline.stages[{i - 1}]={prev!r} and stages[{i}]={this!r} leave a gap: layers "
+                        f"{prev[1]}-{this[0] - 1} belong to no stage."
+                    )
+
+    def check_layers(self, n_layers: int) -> None:
+        """Check the stage ranges against a model with ``n_layers`` transformer blocks."""
+        if self.stages is None:
+            return
+        if len(self.stages) > n_layers:
+            raise PlanError(
+                f"Plan.pipeline.stages has {len(self.stages)} stages but the model has only {n_layers} layers: "
+                "every stage needs at least one layer."
+            )
+        if self.stages[-1][1] != n_layers:
+            raise PlanError(
+                f"Plan.pipeline.stages end at layer {self.stages[-1][1]} but the model has {n_layers} layers: "
+                f"the last stage must end at {n_layers}."
+            )
 
 
 @dataclass(frozen=True)
@@ -150,6 +182,12 @@ class Plan:
                     f"Plan.dp_shares has {len(self.dp_shares)} entries but Plan.dp={self.dp}: "
                     "give one share per data-parallel rank."
                 )
+        stages = self.pipeline.stages
+        if stages is not None and len(stages) % self.pp:
+            raise PlanError(
+                f"Plan.pipeline.stages lists {len(stages)} stages for Plan.pp={self.pp} ranks: give pp stages, "
+                "or a multiple of pp for interleaved schedules (several stages per rank)."
+            )
         if self.offload and self.zero == 0:
             raise PlanError(
                 "Plan.offload=True needs a ZeRO stage (Plan.zero=1, 2 or 3): DDP keeps everything on the device."

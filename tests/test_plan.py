@@ -59,6 +59,12 @@ def test_plan_is_frozen() -> None:
         (lambda: Plan(pipeline=tessera.PipelineSpec(schedule="zigzag")), "pipeline.schedule"),
         (lambda: Plan(pipeline=tessera.PipelineSpec(stages=((3, 1),))), "pipeline.stages[0]"),
         (lambda: Plan.from_json("{not json"), "JSON"),
+        (lambda: tessera.PipelineSpec(stages=((0, 5), (4, 8))), "overlap"),
+        (lambda: tessera.PipelineSpec(stages=((0, 5), (6, 8))), "gap"),
+        (lambda: tessera.PipelineSpec(stages=((1, 5), (5, 8))), "start at layer 0"),
+        (lambda: Plan(pp=2, pipeline=tessera.PipelineSpec(stages=((0, 2), (2, 4), (4, 8)))), "multiple of pp"),
+        (lambda: tessera.PipelineSpec(stages=((0, 1), (1, 2), (2, 3))).check_layers(2), "only 2 layers"),
+        (lambda: tessera.PipelineSpec(stages=((0, 5), (5, 8))).check_layers(10), "must end at 10"),
     ],
 )
 def test_bad_plans_name_the_field(make, field: str) -> None:
