@@ -13,6 +13,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tessera.errors import PlanError
 
@@ -72,6 +73,12 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> None:
     if backend == "nccl":
         torch.cuda.set_device(pick_device("cuda"))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard (in-place updates of it update
+    ``t``), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def rank() -> int:

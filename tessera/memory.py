@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.precision import local
+from tessera.distributed import local
 
 
 class StateBytes(int):

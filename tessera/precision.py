@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from tessera.distributed import local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this rank holds (a DTensor's shard, or ``t`` itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class DynamicLossScaler:

@@ -91,7 +91,7 @@ def overflow_worker(plan_dict: dict) -> dict:
         batch = next(batches)
         booster.backward(loss_fn(model(batch["x"]), batch["y"]), opt)
         if inject and torch.distributed.get_rank() == 1:  # one rank overflows: all must skip
-            grads = [tessera.precision.local(p.grad) for p in model.parameters() if p.grad is not None]
+            grads = [tessera.distributed.local(p.grad) for p in model.parameters() if p.grad is not None]
             next(g for g in grads if g.numel()).view(-1)[0] = float("inf")
         opt.step()
         opt.zero_grad()

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from tessera.optim.layerwise import layer_norms, local, trust_ratio
+from tessera.distributed import local
+from tessera.optim.layerwise import layer_norms, trust_ratio
 
 
 class LAMB(torch.optim.Optimizer):

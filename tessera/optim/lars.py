@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from tessera.optim.layerwise import layer_norms, local
+from tessera.distributed import local
+from tessera.optim.layerwise import layer_norms
 
 
 class LARS(torch.optim.Optimizer):

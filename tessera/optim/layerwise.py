@@ -1,16 +1,10 @@
-"""Shared machinery of layer-wise optimizers: local views and whole-layer norms under any sharding."""
+"""Shared machinery of layer-wise optimizers: whole-layer norms and trust ratios under any sharding."""
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from tessera.parallel.grad_norm import reduce_layer_sums
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` stored on this rank; in-place updates of it update ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def layer_norms(params: list[torch.Tensor], tensors: list[list[torch.Tensor]]) -> torch.Tensor:

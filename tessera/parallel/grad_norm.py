@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tessera.distributed import local
+
 
 def _sharded_over(g: DTensor) -> list[int]:
     """Mesh dims over which ``g`` is split. Anything neither replicated nor partial splits the
@@ -39,7 +41,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.
     # Sharded gradients: one partial sum per (mesh, sharded mesh dims), reduced once over those dims.
     sharded: dict[tuple, tuple[torch.Tensor, DTensor]] = {}
     for g in grads:
-        t = (g.to_local() if isinstance(g, DTensor) else g).float()
+        t = local(g).float()
         part = _partial(t, inf_norm)
         if isinstance(g, DTensor) and _sharded_over(g):
             key = (id(g.device_mesh), tuple(_sharded_over(g)))
@@ -69,7 +71,7 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, norm_type
     params = list(params)
     total = global_grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
