@@ -53,15 +53,12 @@ def _autocast_forward(model: nn.Module, device: torch.device, dtype: torch.dtype
 def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh)."""
     dtype = DTYPES[plan.precision]
-    if not uses_fsdp(plan) and plan.tp > 1:  # dp == 1: nothing to synchronise, no wrapper
-        model.to(device)
-        if dtype != torch.float32:
-            _autocast_forward(model, device, dtype)
-        return model
     if not uses_fsdp(plan):
         model.to(device)
         if dtype != torch.float32:
             _autocast_forward(model, device, dtype)
+        if plan.tp > 1:  # dp == 1 (Plan.check_composable): nothing to synchronise, no wrapper
+            return model
         return DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,

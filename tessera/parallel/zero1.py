@@ -113,14 +113,16 @@ class ShardedOptimizer:
             self._copy_back_own()
         if self.world == 1:
             return
-        pending = []
-        for s in self.slices:
-            flat = s.full.detach().view(-1)
-            for r, lo, hi in s.owners:
-                src = dist.get_global_rank(self.group, r)
-                pending.append(dist.broadcast(flat[lo:hi], src=src, group=self.group, async_op=True))
+        pending = [work for s in self.slices for work in self._broadcast_pieces(s, s.full.detach().view(-1))]
         for work in pending:
             work.wait()
+
+    def _broadcast_pieces(self, s: _Slice, flat: torch.Tensor) -> list[dist.Work]:
+        """Send each piece of ``flat`` (laid out like ``s.full``) from its owner to every rank, in place."""
+        return [
+            dist.broadcast(flat[lo:hi], src=dist.get_global_rank(self.group, r), group=self.group, async_op=True)
+            for r, lo, hi in s.owners
+        ]
 
     def _copy_back_own(self) -> None:
         """Offloaded slices live in CPU copies: write them back into the device parameters."""
@@ -167,9 +169,7 @@ class ShardedOptimizer:
                 if isinstance(value, torch.Tensor) and value.numel() == s.shard.numel() and value.dim() > 0:
                     full = torch.zeros(s.full.numel(), dtype=value.dtype, device=s.full.device)
                     full[s.start : s.end].copy_(value.view(-1))
-                    for r, lo, hi in s.owners:
-                        src = dist.get_global_rank(self.group, r)
-                        pending.append(dist.broadcast(full[lo:hi], src=src, group=self.group, async_op=True))
+                    pending += self._broadcast_pieces(s, full)
                     entry[key] = full.view(s.full.shape)
                 else:
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
