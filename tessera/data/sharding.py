@@ -82,14 +82,19 @@ class ShareBatchSampler(Sampler[list[int]]):
             yield order[start : start + self.local_batch_size].tolist()
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 class ShardedLoader:
@@ -140,18 +145,16 @@ class ShardedLoader:
 
 def slice_sequence(batch: Any, index: int, parts: int) -> Any:
     """The ``index``-th of ``parts`` equal slices of dim 1 of every tensor with two or more dims."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() < 2:
-            return batch
-        if batch.shape[1] % parts:
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2:
+            return t
+        if t.shape[1] % parts:
             raise PlanError(
-                f"sequence length {batch.shape[1]} does not divide by Plan.sp={parts}: use a sequence "
+                f"sequence length {t.shape[1]} does not divide by Plan.sp={parts}: use a sequence "
                 "length that is a multiple of sp."
             )
-        step = batch.shape[1] // parts
-        return batch[:, index * step : (index + 1) * step]
-    if isinstance(batch, dict):
-        return {k: slice_sequence(v, index, parts) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_sequence(v, index, parts) for v in batch)
-    return batch
+        step = t.shape[1] // parts
+        return t[:, index * step : (index + 1) * step]
+
+    return map_tensors(batch, cut)
