@@ -31,7 +31,7 @@ def _plan_check(args: argparse.Namespace) -> int:
 
 def _validate_training(args: argparse.Namespace) -> None:
     """Everything that can be checked before any process starts or any file is written."""
-    from tessera.data.text import PackedText, resolve_paths
+    from tessera.data.text import check_corpus_size, resolve_paths
     from tessera.train.config import ConfigError, load_config, plan_from_config
 
     cfg = load_config(args.config, args.overrides)
@@ -45,7 +45,7 @@ def _validate_training(args: argparse.Namespace) -> None:
         split_batch(cfg.train.global_batch_size, plan.shares())
     except PlanError as exc:
         raise ConfigError(f"plan (for {world} ranks): {exc}") from None
-    PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
+    check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only: ranks read
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -45,6 +45,20 @@ def resolve_paths(patterns: list[str]) -> list[str]:
     return files
 
 
+def _require_enough(n_bytes: int, seq_len: int) -> None:
+    if n_bytes < 2 * (seq_len + 1):
+        raise ValueError(
+            f"data: the corpus holds {n_bytes} bytes, too few for even two sequences of data.seq_len="
+            f"{seq_len}: add text or lower data.seq_len."
+        )
+
+
+def check_corpus_size(files: list[str], seq_len: int, max_bytes: int) -> None:
+    """PackedText's size check from file sizes alone, so a launcher can refuse a tiny corpus
+    without reading it (each file counts one separator byte, as PackedText adds)."""
+    _require_enough(min(max_bytes, sum(Path(f).stat().st_size + 1 for f in files)), seq_len)
+
+
 class PackedText(Dataset):
     """Windows of ``seq_len + 1`` tokens over all files joined end to end.
 
@@ -58,11 +72,7 @@ class PackedText(Dataset):
             if len(data) >= max_bytes:
                 break
         del data[max_bytes:]
-        if len(data) < 2 * (seq_len + 1):
-            raise ValueError(
-                f"data: the corpus holds {len(data)} bytes, too few for even two sequences of data.seq_len="
-                f"{seq_len}: add text or lower data.seq_len."
-            )
+        _require_enough(len(data), seq_len)
         self.tokens = torch.frombuffer(data, dtype=torch.uint8).long()
         self.seq_len = seq_len
         self.files = files
