@@ -52,7 +52,6 @@ class Booster:
         self.device = distributed.pick_device(plan.device)
         distributed.init()
         self.plan = plan.resolve(dist.get_world_size())
-        self.plan.check_composable()
         # Ranks are laid out (dp, tp) or (dp, sp) row-major, as init_device_mesh does: the ranks
         # of one tp or sp group are neighbours and share their samples.
         self.dp_rank = dist.get_rank() // (self.plan.tp * self.plan.sp)

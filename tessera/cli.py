@@ -39,7 +39,6 @@ def _validate_training(args: argparse.Namespace) -> None:
     try:
         plan = plan_from_config(cfg.plan).resolve(world)
         plan.check_supported()
-        plan.check_composable()
         from tessera.data.sharding import split_batch
 
         split_batch(cfg.train.global_batch_size, plan.shares())

@@ -200,7 +200,8 @@ class Plan:
         return self.tp * self.pp * self.sp
 
     def resolve(self, world_size: int) -> Plan:
-        """Return this Plan with ``dp`` filled in for ``world_size`` ranks, checking the product."""
+        """Return this Plan with ``dp`` filled in for ``world_size`` ranks, checking the product and
+        that the resolved sizes compose (:meth:`check_composable`)."""
         mp = self.model_parallel_size
         dp = self.dp
         if dp is None:
@@ -224,7 +225,9 @@ class Plan:
             raise PlanError(
                 f"Plan.rank_devices names {len(self.rank_devices)} devices but the job has {world_size} ranks."
             )
-        return dataclasses.replace(self, dp=dp)
+        resolved = dataclasses.replace(self, dp=dp)
+        resolved.check_composable()
+        return resolved
 
     def shares(self, dp: int | None = None) -> tuple[int, ...]:
         """Relative samples per data-parallel rank (all ones when the plan is even)."""
@@ -248,7 +251,7 @@ class Plan:
                 )
 
     def check_composable(self) -> None:
-        """Refuse (resolved) layouts whose pieces exist but do not compose yet."""
+        """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
         if self.tp > 1 and (self.dp or 1) > 1 and self.zero < 2:
             raise NotSupportedYet(
                 f"Plan.tp={self.tp} with Plan.dp={self.dp} needs ZeRO-2 or ZeRO-3 (FSDP2 over the dp axis); DDP "
