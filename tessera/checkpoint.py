@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tessera import faults
 from tessera.parallel.zero1 import ShardedOptimizer
 
 
@@ -80,12 +81,6 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in unwrap(model).named_parameters()}
 
 
-def _fault(point: str, step: int) -> None:
-    """Fault injection for tests: TESSERA_FAULT=save:STEP crashes this rank midway through that save."""
-    if os.environ.get("TESSERA_FAULT") == f"{point}:{step}":
-        os._exit(17)
-
-
 # --------------------------------------------------------------------------------- save
 def save_checkpoint(
     root: str | Path,
@@ -106,7 +101,7 @@ def save_checkpoint(
     dist.barrier()
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    _fault("save", step)
+    faults.during_save(step)
     dist.barrier()
     if rank == 0:
         torch.save(trainer_state, tmp / "trainer.pt")

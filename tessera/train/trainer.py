@@ -1,4 +1,4 @@
-"""The training loop behind ``tessera train``: read top to bottom, one step at a time.
+"""The training loop behind ``tessera train``: a Trainer whose methods each do one job.
 
 Runs inside a torchrun-launched process (or a plain one, as a 1-rank job).
 """
@@ -6,7 +6,6 @@ Runs inside a torchrun-launched process (or a plain one, as a 1-rank job).
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tessera
+from tessera import faults
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.optim.lamb import LAMB
@@ -88,18 +88,6 @@ def lr_factor(cfg: Config, step: int) -> float:
 
 def logits_of(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
-
-
-def _fault_rank(step: int) -> None:
-    """Fault injection for tests, on the first attempt only (a torchrun restart runs clean):
-    TESSERA_FAULT=RANK:STEP kills that rank just before the step; hang:RANK:STEP:SECONDS stalls it."""
-    spec = os.environ.get("TESSERA_FAULT", "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if spec == f"{dist.get_rank()}:{step}":
-        os._exit(13)
-    if spec.startswith(f"hang:{dist.get_rank()}:{step}:"):
-        time.sleep(float(spec.split(":")[3]))
 
 
 class CollectiveTimeout(RuntimeError):
@@ -232,7 +220,7 @@ class Trainer:
         while self.step < last_step:
             self.loader.set_epoch(self.epoch, self.batch_in_epoch)
             for batch in self.loader:
-                _fault_rank(self.step + 1)
+                faults.before_step(self.step + 1)
                 t0 = time.perf_counter()
                 loss, grad_norm, state_bytes = train_step(
                     self.model,

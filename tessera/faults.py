@@ -1,0 +1,36 @@
+"""Fault injection for tests, read from one environment variable in one place.
+
+``TESSERA_FAULT`` takes one of:
+    RANK:STEP                  that rank exits just before training step STEP
+    hang:RANK:STEP:SECONDS     that rank stalls SECONDS before step STEP
+    save:STEP                  every rank exits midway through saving the step-STEP checkpoint
+Faults fire on the first attempt only, so a torchrun restart runs clean.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+
+
+def _spec() -> str:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return ""
+    return os.environ.get("TESSERA_FAULT", "")
+
+
+def before_step(step: int) -> None:
+    """Kill or stall this rank before ``step`` when TESSERA_FAULT asks for it."""
+    spec, rank = _spec(), dist.get_rank()
+    if spec == f"{rank}:{step}":
+        os._exit(13)
+    if spec.startswith(f"hang:{rank}:{step}:"):
+        time.sleep(float(spec.split(":")[3]))
+
+
+def during_save(step: int) -> None:
+    """Exit midway through the step-``step`` save when TESSERA_FAULT=save:STEP."""
+    if _spec() == f"save:{step}":
+        os._exit(17)
