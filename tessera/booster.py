@@ -105,7 +105,7 @@ class Booster:
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The device mesh: axes ("dp",) or ("dp", "tp")."""
+        """The device mesh: axes ("dp",), ("dp", "tp") or ("dp", "sp")."""
         if self._mesh is None:
             if self.plan.tp > 1:
                 shape, names = (self.plan.dp, self.plan.tp), ("dp", "tp")
