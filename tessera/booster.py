@@ -15,7 +15,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,9 @@ from tessera.models.policies import policy_for
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data as data_parallel
 from tessera.parallel.grad_norm import clip_grads_
+from tessera.parallel.pipeline import PipelineModel, PipelineRunner, average_gradients, split_model
 from tessera.parallel.recompute import apply_recompute
-from tessera.parallel.tensor import apply_tensor_parallel
+from tessera.parallel.tensor import apply_tensor_parallel, apply_tensor_parallel_to_stage
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
@@ -52,9 +54,10 @@ class Booster:
         self.device = distributed.pick_device(plan.device)
         distributed.init()
         self.plan = plan.resolve(dist.get_world_size())
-        # Ranks are laid out (dp, tp) or (dp, sp) row-major, as init_device_mesh does: the ranks
-        # of one tp or sp group are neighbours and share their samples.
-        self.dp_rank = dist.get_rank() // (self.plan.tp * self.plan.sp)
+        # Ranks are laid out (pp, dp, tp) or (pp, dp, sp) row-major, as init_device_mesh does: the
+        # ranks of one tp or sp group are neighbours and share their samples, and every stage of
+        # one pipeline reads the same samples.
+        self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.sp)) % self.plan.dp
         self.sp_rank = dist.get_rank() % self.plan.sp
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         self._grad_mesh: DeviceMesh | None = None
@@ -64,6 +67,7 @@ class Booster:
         self.loss_weight = shares[self.dp_rank] * len(shares) / sum(shares)
         self.scaler = DynamicLossScaler() if self.plan.precision == "fp16" else None
         self._model: nn.Module | None = None
+        self._pipeline: PipelineRunner | None = None
 
     # ------------------------------------------------------------------ boost
     def boost(
@@ -82,20 +86,24 @@ class Booster:
                     f"the optimizer holds {len(foreign)} parameter(s) that are not in the model: "
                     "build the optimizer from model.parameters()."
                 )
-        if self.plan.tp > 1:
-            policy_for(model).check_tp(model, self.plan.tp)  # before any group is created
-            if not self.plan.offload:
-                model.to(self.device)
-            apply_tensor_parallel(model, self.mesh["tp"])
-        if self.plan.sp > 1:
-            policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
-        apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
-        wrapped = data_parallel.apply_data_parallel(model, self.plan, self.grad_mesh, self.device)
+        if self.plan.pp > 1:
+            wrapped = self._boost_pipeline(model)
+        else:
+            if self.plan.tp > 1:
+                policy_for(model).check_tp(model, self.plan.tp)  # before any group is created
+                if not self.plan.offload:
+                    model.to(self.device)
+                apply_tensor_parallel(model, self.mesh["tp"])
+            if self.plan.sp > 1:
+                policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
+            apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
+            wrapped = data_parallel.apply_data_parallel(model, self.plan, self.grad_mesh, self.device)
         self._model = wrapped
         if optimizer is None:
             return wrapped, None
         current = dict(data_parallel.unwrap(wrapped).named_parameters())
-        groups = rebuild_optimizer(optimizer, lambda p: current[names[id(p)]])
+        # Under pipeline parallelism a rank keeps only its stages' parameters.
+        groups = rebuild_optimizer(optimizer, lambda p: current.get(names[id(p)]))
         build = optimizer_factory(optimizer)
         if self.plan.zero == 1 and self.plan.tp == 1:
             inner = ShardedOptimizer(groups, build, self.grad_mesh.get_group(), offload=self.plan.offload)
@@ -103,17 +111,37 @@ class Booster:
             inner = build(groups)
         return wrapped, BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
 
+    def _boost_pipeline(self, model: nn.Module) -> PipelineModel:
+        """Cut ``model`` into this rank's stages, lay each out (tp, recompute, ZeRO) and build the schedule."""
+        policy = policy_for(model, "pipeline parallelism")
+        layout = policy.pipeline_layout(model)
+        if self.plan.tp > 1:
+            policy.check_tp(model, self.plan.tp)
+        pp_mesh = self.mesh["pp"]
+        stages = split_model(model, layout, self.plan.pipeline, self.plan.pp, pp_mesh.get_local_rank())
+        for _, stage in stages:
+            stage.to(self.device)
+            if self.plan.tp > 1:
+                apply_tensor_parallel_to_stage(stage, model, self.mesh["tp"])
+            apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
+            data_parallel.apply_data_parallel(stage, self.plan, self.grad_mesh, self.device)
+        n_stages = len(self.plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), self.plan.pp))
+        pipeline_model = PipelineModel(stages)
+        self._pipeline = PipelineRunner(pipeline_model, self.plan.pipeline, n_stages, pp_mesh.get_group(), self.device)
+        return pipeline_model
+
     @property
     def mesh(self) -> DeviceMesh:
-        """The device mesh: axes ("dp",), ("dp", "tp") or ("dp", "sp")."""
+        """The device mesh: axes ("dp",), ("dp", "tp") or ("dp", "sp"), with "pp" first under pipelining."""
         if self._mesh is None:
+            shape, names = [self.plan.dp], ["dp"]
             if self.plan.tp > 1:
-                shape, names = (self.plan.dp, self.plan.tp), ("dp", "tp")
+                shape, names = [self.plan.dp, self.plan.tp], ["dp", "tp"]
             elif self.plan.sp > 1:
-                shape, names = (self.plan.dp, self.plan.sp), ("dp", "sp")
-            else:
-                shape, names = (self.plan.dp,), ("dp",)
-            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+                shape, names = [self.plan.dp, self.plan.sp], ["dp", "sp"]
+            if self.plan.pp > 1:  # outermost: stages talk point-to-point, the cheapest traffic for slow links
+                shape, names = [self.plan.pp, *shape], ["pp", *names]
+            self._mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
         return self._mesh
 
     @property
@@ -136,6 +164,54 @@ class Booster:
             loss = self.scaler.scale_loss(loss)
         loss.backward()
 
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any] | Any,
+        model: nn.Module,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer: BoostedOptimizer | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch over ``Plan.pipeline.microbatches`` micro-batches.
+
+        Takes the next batch of ``data_iter`` (or ``data_iter`` itself when it is a batch): a pair
+        ``(inputs, target)`` or a dict with ``x``/``input_ids`` and ``y``/``labels``. Returns the
+        mean loss of this rank's batch, the same value on every stage of a pipeline (use
+        :meth:`reduce_loss` for the mean over the global batch). Gradients are ready for
+        ``clip_grad_norm`` and ``optimizer.step()``. Without pipeline parallelism the
+        micro-batches are plain gradient accumulation, so one loop serves every Plan.
+
+        Example:
+            >>> loss = booster.execute_pipeline(iter(loader), model, loss_fn, optimizer)
+            >>> optimizer.step(); optimizer.zero_grad()
+        """
+        batch = next(data_iter) if isinstance(data_iter, Iterator) else data_iter
+        inputs, target = _inputs_and_target(batch)
+        if self._pipeline is None:
+            return self._accumulate(inputs, target, model, loss_fn)
+        factor = self.loss_weight * (self.scaler.scale if self.scaler is not None else 1.0)
+        loss = self._pipeline.step(inputs, target, loss_fn, factor)
+        if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
+            average_gradients(list(model.parameters()), self.grad_mesh.get_group())
+        return loss
+
+    def _accumulate(
+        self, inputs: torch.Tensor, target: torch.Tensor, model: nn.Module, loss_fn: Callable
+    ) -> torch.Tensor:
+        """Micro-batches as gradient accumulation (no pipeline): synchronise on the last one only."""
+        n = self.plan.pipeline.microbatches
+        if inputs.shape[0] % n:
+            raise PlanError(
+                f"the batch has {inputs.shape[0]} samples, which Plan.pipeline.microbatches={n} does not divide: "
+                "make each rank's batch a multiple of the micro-batch count."
+            )
+        total = torch.zeros((), device=inputs.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), target.chunk(n))):
+            with self.no_sync(model) if i < n - 1 else contextlib.nullcontext():
+                loss = loss_fn(model(x), y)
+                self.backward(loss / n)
+            total += loss.detach().float()
+        return total / n
+
     def clip_grad_norm(
         self, model: nn.Module, optimizer: BoostedOptimizer | None = None, max_norm: float = 1.0, norm_type: float = 2.0
     ) -> torch.Tensor:
@@ -143,7 +219,9 @@ class Booster:
         params = list(model.parameters())
         if self.scaler is not None and self.scaler.unscale_(params):
             return torch.tensor(float("inf"))  # overflow: the step will be skipped anyway
-        return clip_grads_(params, max_norm, norm_type)
+        # Pipeline stages hold disjoint parameters: their partial norms add up over the pp group.
+        across = (self.mesh.get_group("pp"),) if self.plan.pp > 1 else ()
+        return clip_grads_(params, max_norm, norm_type, across=across)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (gradient accumulation); sync on the next backward outside it."""
@@ -181,10 +259,31 @@ class Booster:
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full, unsharded parameters and buffers on the CPU, keyed like the original model."""
+        """Full, unsharded parameters and buffers on the CPU, keyed like the original model
+        (every stage's, under pipeline parallelism; every rank gets them all)."""
         out = {}
         for key, value in data_parallel.unwrap(model).state_dict().items():
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             out[key] = value.detach().to("cpu", copy=True)
+        if self.plan.pp > 1:
+            parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.plan.pp)]
+            dist.all_gather_object(parts, out, group=self.mesh.get_group("pp"))
+            out = {k: v for part in parts for k, v in part.items()}
         return out
+
+
+def _inputs_and_target(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict):
+        x = next((batch[k] for k in ("x", "input_ids") if k in batch), None)
+        y = next((batch[k] for k in ("y", "labels") if k in batch), None)
+        if x is not None and y is not None:
+            return x, y
+    keys = f" (keys: {', '.join(map(str, batch))})" if isinstance(batch, dict) else ""
+    raise PlanError(
+        f"execute_pipeline needs batches of (inputs, target) or dicts with 'x'/'input_ids' and 'y'/'labels', "
+        f"got {type(batch).__name__}{keys}."
+    )

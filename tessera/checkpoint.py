@@ -135,7 +135,11 @@ def _check_same_model(path: Path, expected: dict[str, Any]) -> None:
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and hasattr(v, "size")
     }
-    want = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    # Pipeline stages each hold part of the model: compare with the union over every rank.
+    mine = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    parts: list[dict[str, tuple[int, ...]]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, mine)
+    want = {k: shape for part in parts for k, shape in part.items()}
     problems = [f"missing in checkpoint: {k} {want[k]}" for k in sorted(want.keys() - saved.keys())]
     problems += [f"not in this model: {k} {saved[k]}" for k in sorted(saved.keys() - want.keys())]
     problems += [

@@ -30,6 +30,10 @@ SCHEDULES = (
     "zbv_zero_bubble",
     "dualpipev",
 )
+# Schedules with one stage per rank, with exactly two per rank in a V shape, and the rest
+# (interleaved: any whole number of stages per rank, two by default).
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 SP_MODES = ("split_gather", "all_to_all")
 DEVICES = ("auto", "cpu", "cuda")
@@ -99,6 +103,60 @@ class PipelineSpec:
                         f"Plan.pipeline.stages[{i - 1}]={prev!r} and stages[{i}]={this!r} leave a gap: layers "
                         f"{prev[1]}-{this[0] - 1} belong to no stage."
                     )
+
+    def stages_per_rank(self, pp: int) -> int:
+        """Pipeline stages each of ``pp`` ranks runs (more than one for interleaved and V schedules)."""
+        if self.stages is not None:
+            return len(self.stages) // pp
+        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    def stage_ranges(self, n_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+        """Each stage's ``(first, end)`` layer range: ``stages`` as given, or an even split."""
+        self.check_layers(n_layers)
+        if self.stages is not None:
+            return self.stages
+        n = pp * self.stages_per_rank(pp)
+        if n > n_layers:
+            raise PlanError(
+                f"Plan.pipeline: {n} stages ({pp} ranks x {n // pp} stages for schedule {self.schedule!r}) but the "
+                f"model has only {n_layers} layers: every stage needs at least one layer; lower Plan.pp or pick a "
+                "schedule with one stage per rank (gpipe, 1f1b)."
+            )
+        bounds = [round(i * n_layers / n) for i in range(n + 1)]
+        return tuple(zip(bounds[:-1], bounds[1:]))
+
+    def check_schedule(self, pp: int) -> None:
+        """Refuse a stage count or micro-batch count that the schedule cannot run on ``pp`` ranks."""
+        if pp == 1:
+            if self.stages is not None and len(self.stages) != 1:
+                raise PlanError(
+                    f"Plan.pipeline.stages lists {len(self.stages)} stages but Plan.pp=1: set Plan.pp or drop stages."
+                )
+            return
+        per_rank, mb, name = self.stages_per_rank(pp), self.microbatches, self.schedule
+        if name in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+            raise PlanError(
+                f"Plan.pipeline.schedule={name!r} runs one stage per rank but Plan.pipeline.stages gives {per_rank} "
+                f"per rank: give {pp} stages, or use an interleaved schedule (interleaved_1f1b, ...)."
+            )
+        if name in V_SCHEDULES and per_rank != 2:
+            raise PlanError(
+                f"Plan.pipeline.schedule={name!r} runs exactly two stages per rank (a V shape) but "
+                f"Plan.pipeline.stages gives {per_rank} per rank: give {2 * pp} stages."
+            )
+        n_stages = pp * per_rank
+        if name in ("1f1b", "dualpipev") and mb < n_stages:
+            raise PlanError(
+                f"Plan.pipeline.microbatches={mb}: schedule {name!r} needs at least as many micro-batches as "
+                f"stages ({n_stages}); raise microbatches or use gpipe."
+            )
+        rounds = max(1, mb // pp)
+        if name in ("interleaved_1f1b", "interleaved_zero_bubble") and mb % rounds:
+            raise PlanError(
+                f"Plan.pipeline.microbatches={mb}: schedule {name!r} on {pp} ranks runs micro-batches in "
+                f"{rounds} equal rounds, and {mb} is not divisible by {rounds}: "
+                f"use {mb - mb % rounds} or {mb - mb % rounds + rounds}."
+            )
 
     def check_layers(self, n_layers: int) -> None:
         """Check the stage ranges against a model with ``n_layers`` transformer blocks."""
@@ -188,6 +246,7 @@ class Plan:
                 f"Plan.pipeline.stages lists {len(stages)} stages for Plan.pp={self.pp} ranks: give pp stages, "
                 "or a multiple of pp for interleaved schedules (several stages per rank)."
             )
+        self.pipeline.check_schedule(self.pp)
         if self.offload and self.zero == 0:
             raise PlanError(
                 "Plan.offload=True needs a ZeRO stage (Plan.zero=1, 2 or 3): DDP keeps everything on the device."
@@ -239,9 +298,7 @@ class Plan:
     def check_supported(self) -> None:
         """Refuse fields whose feature has not landed yet, instead of ignoring them."""
         unsupported = {
-            "pp": (self.pp != 1, "pipeline parallelism"),
             "sp": (self.sp != 1 and self.sp_mode != "all_to_all", "Megatron split/gather sequence parallelism"),
-            "pipeline": (self.pipeline != PipelineSpec(), "pipeline stages and schedules"),
         }
         for name, (asked, feature) in unsupported.items():
             if asked:
@@ -259,6 +316,10 @@ class Plan:
             )
         if self.sp > 1 and self.tp > 1:
             raise NotSupportedYet(f"Plan.sp={self.sp} together with Plan.tp={self.tp} is not supported yet: use one.")
+        if self.pp > 1 and self.sp > 1:
+            raise NotSupportedYet(f"Plan.pp={self.pp} together with Plan.sp={self.sp} is not supported yet: use one.")
+        if self.pp > 1 and self.offload:
+            raise NotSupportedYet(f"Plan.offload with Plan.pp={self.pp} is not supported yet: use offload=False.")
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 

@@ -40,14 +40,17 @@ class TokenData(Dataset):
 
 
 def build_model(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny model of ``kind``: 2 layers, or as many as a suffix says ("llama:8", "hf_qwen2:4")."""
     torch.manual_seed(seed)
+    kind, _, layers = kind.partition(":")
+    n_layers = int(layers or 2)
     if kind in ("llama", "llama_tied"):
         from tessera.models import Llama, LlamaConfig
 
         cfg = LlamaConfig(
             vocab_size=VOCAB,
             dim=32,
-            n_layers=2,
+            n_layers=n_layers,
             n_heads=4,
             n_kv_heads=2,
             ffn_dim=64,
@@ -56,11 +59,11 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         )
         return Llama(cfg)
     if kind == "gpt2":
-        return hf.gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ)
+        return hf.gpt2(n_layer=n_layers, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ)
     if kind == "hf_llama":
-        return hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
+        return hf.llama(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
     if kind == "hf_qwen2":
-        return hf.qwen2(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
+        return hf.qwen2(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
     raise ValueError(kind)
 
 
@@ -81,23 +84,29 @@ def reference_run(kind: str, global_batch: int, steps: int, lr: float = 1e-3, ma
     """Plain single-process AdamW training: losses, grad norms and final parameters."""
     model = build_model(kind)
     opt = make_optimizer(model.parameters(), lr)
-    losses, norms = [], []
+    losses, norms, grads = [], [], {}
     for x, y in global_batches(TokenData(), global_batch, steps):
         loss = loss_fn(model(x), y)
         loss.backward()
+        if not grads:  # the first step's gradients, before clipping
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         # max_norm=inf records the global norm without clipping: Adam hides a uniformly
         # mis-scaled gradient, the norm does not.
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "params": params, "grads": grads}
 
 
 def tessera_run(
     plan_dict: dict, kind: str, global_batch: int, steps: int, lr: float = 1e-3, max_norm: float | None = None
 ):
-    """The same training through Tessera on the current ranks (call inside run_ranks)."""
+    """The same training through Tessera on the current ranks (call inside run_ranks).
+
+    Pipeline plans train through ``booster.execute_pipeline``; the others through the user's own
+    forward/backward loop. The first step's full gradients come back too (rank 0)."""
     import torch.distributed as dist
 
     import tessera
@@ -106,23 +115,50 @@ def tessera_run(
     booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, make_optimizer(model.parameters(), lr))
     loader = booster.dataloader(TokenData(), global_batch_size=global_batch, seed=0)
-    losses, norms = [], []
+    losses, norms, grads = [], [], {}
     for step, batch in enumerate(loader):
         if step == steps:
             break
-        loss = loss_fn(model(batch["x"]), batch["y"])
-        booster.backward(loss, opt)
+        if booster.plan.pp > 1:
+            loss = booster.execute_pipeline(batch, model, loss_fn, opt)
+        else:
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            booster.backward(loss, opt)
+        if step == 0:
+            grads = full_grads(booster, model)
         norms.append(float(booster.clip_grad_norm(model, opt, max_norm=max_norm or float("inf"))))
         opt.step()
         opt.zero_grad()
         losses.append(float(booster.reduce_loss(loss)))
     state = booster.full_state_dict(model)
-    return {"losses": losses, "norms": norms, "params": state if dist.get_rank() == 0 else None}
+    rank0 = dist.get_rank() == 0
+    return {"losses": losses, "norms": norms, "params": state if rank0 else None, "grads": grads if rank0 else None}
+
+
+def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient, keyed like the unsplit model (gathered over every axis)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tessera.parallel.data import unwrap
+
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+    if booster.plan.pp > 1:
+        parts = [{} for _ in range(booster.plan.pp)]
+        dist.all_gather_object(parts, out, group=booster.mesh.get_group("pp"))
+        out = {k: v for part in parts for k, v in part.items()}
+    return out
 
 
 def assert_same_training(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=rtol, atol=atol)
-    assert got["params"].keys() == want["params"].keys()
-    for k, v in want["params"].items():
-        torch.testing.assert_close(got["params"][k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"parameter {k}: {m}")
+    for part in ("params", "grads") if got.get("grads") is not None else ("params",):
+        assert got[part].keys() == want[part].keys(), f"{part}: {sorted(got[part])} vs {sorted(want[part])}"
+        for k, v in want[part].items():
+            torch.testing.assert_close(
+                got[part][k], v, rtol=rtol, atol=atol, msg=lambda m, k=k, p=part: f"{p} {k}: {m}"
+            )

@@ -75,6 +75,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.type_as(x)
 
 
+def rotary_positions(module: nn.Module, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of ``module`` (a Llama or one of its pipeline stages) for ``seq`` positions.
+
+    Under sequence parallelism the input is this rank's slice: positions start at its offset.
+    """
+    start = seq * torch.distributed.get_rank(module.sp_group) if module.sp_group is not None else 0
+    if start + seq > module.rope_cos.shape[0]:
+        raise ValueError(f"sequence length {start + seq} exceeds LlamaConfig.max_seq_len={module.rope_cos.shape[0]}")
+    return module.rope_cos[start : start + seq], module.rope_sin[start : start + seq]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -159,13 +170,8 @@ class Llama(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std * scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        # Under sequence parallelism ``tokens`` is this rank's slice: positions start at its offset.
-        start = seq * torch.distributed.get_rank(self.sp_group) if self.sp_group is not None else 0
-        if start + seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {start + seq} exceeds LlamaConfig.max_seq_len={self.config.max_seq_len}")
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope_cos[start : start + seq], self.rope_sin[start : start + seq]
+        cos, sin = rotary_positions(self, tokens.shape[1])
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

@@ -20,16 +20,20 @@ from tessera.precision import DynamicLossScaler
 
 
 def rebuild_optimizer(
-    optimizer: torch.optim.Optimizer, new_param: Callable[[nn.Parameter], nn.Parameter]
+    optimizer: torch.optim.Optimizer, new_param: Callable[[nn.Parameter], nn.Parameter | None]
 ) -> list[dict[str, Any]]:
-    """The optimizer's param groups with every parameter replaced by ``new_param(p)``."""
+    """The optimizer's param groups with every parameter replaced by ``new_param(p)``; parameters
+    for which it returns None (held by another pipeline stage) are left out."""
     if optimizer.state:
         raise PlanError(
             "boost() needs an optimizer that has not stepped yet (its state is not empty): create the "
             "optimizer, boost, then train; to continue a run, load a checkpoint after boost()."
         )
     return [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [new_param(p) for p in group["params"]]}
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [q for p in group["params"] if (q := new_param(p)) is not None],
+        }
         for group in optimizer.param_groups
     ]
 

@@ -28,7 +28,8 @@ def uses_fsdp(plan: Plan) -> bool:
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: children of the outermost ModuleLists of same-typed modules.
+    """The transformer blocks: children of the outermost ModuleLists (or a pipeline stage's
+    ModuleDicts) of same-typed modules.
 
     Each gets its own FSDP2 unit, so only one block's full parameters exist at a time.
     """
@@ -37,9 +38,10 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     for name, module in model.named_modules():
         if any(name.startswith(t + ".") for t in taken):
             continue
-        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
-            if any(True for _ in module[0].parameters()):
-                blocks.extend(module)
+        children = list(module.children())
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and children and len({type(m) for m in children}) == 1:
+            if any(True for _ in children[0].parameters()):
+                blocks.extend(children)
                 taken.append(name)
     return blocks
 
@@ -58,6 +60,8 @@ def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: 
         if dtype != torch.float32:
             _autocast_forward(model, device, dtype)
         if plan.tp > 1:  # dp == 1 (Plan.check_composable): nothing to synchronise, no wrapper
+            return model
+        if plan.pp > 1:  # the schedule runs backward: gradients are averaged after it (pipeline.average_gradients)
             return model
         return DistributedDataParallel(
             model,

@@ -8,7 +8,7 @@ ranks that hold them exactly once; replicated parts are counted once locally.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,13 @@ def _partial(t: torch.Tensor, inf_norm: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if the model were on one device (every rank gets it)."""
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter], norm_type: float = 2.0, across: Sequence[dist.ProcessGroup] = ()
+) -> torch.Tensor:
+    """The norm of all gradients as if the model were on one device (every rank gets it).
+
+    ``across``: groups whose ranks hold disjoint parameters (pipeline stages); the local
+    totals are combined over them once, after the sharded parts are complete."""
     grads = [p.grad for p in params if p.grad is not None]
     inf_norm = math.isinf(norm_type)
     if not inf_norm and norm_type != 2.0:
@@ -58,18 +63,25 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.
         for dim in _sharded_over(example):
             dist.all_reduce(acc, op=op, group=example.device_mesh.get_group(dim))
         total = torch.maximum(total, acc) if inf_norm else total + acc
+    for group in across:
+        dist.all_reduce(total, op=op, group=group)
     return total if inf_norm else total.sqrt()
 
 
 @torch.no_grad()
-def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grads_(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    across: Sequence[dist.ProcessGroup] = (),
+) -> torch.Tensor:
     """Clip gradients in place to ``max_norm`` of the global norm; return that norm.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by
     ``max_norm / (norm + 1e-6)`` when that is below one.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type)
+    total = global_grad_norm(params, norm_type, across)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:

@@ -7,6 +7,8 @@ no change: it reshapes to ``(-1, head_dim)`` and so sees n_heads / tp local head
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
@@ -20,3 +22,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     policy.check_tp(model, tp_mesh.size())
     parallelize_module(model, tp_mesh, policy.tp_plan(model))
     return model
+
+
+def apply_tensor_parallel_to_stage(stage: nn.Module, model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard one pipeline stage of ``model``: the policy's styles for the modules the stage holds."""
+    names = [name for name, _ in stage.named_modules()]
+    plan = {
+        key: style for key, style in policy_for(model).tp_plan(model).items() if any(fnmatch(n, key) for n in names)
+    }
+    parallelize_module(stage, tp_mesh, plan)
+    return stage

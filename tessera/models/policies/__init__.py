@@ -17,15 +17,17 @@ from tessera.models.policies.llama import LLAMA
 POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA)
 
 
-def policy_for(model: nn.Module) -> Policy:
-    """The policy for ``model``'s family, or a PlanError naming the families that have one."""
+def policy_for(model: nn.Module, feature: str = "tensor parallelism") -> Policy:
+    """The policy for ``model``'s family, or a PlanError naming the families that have one.
+
+    ``feature`` (what needs the policy) goes into the error, with the Plan field to reset."""
     for policy in POLICIES:
         if policy.matches(model):
             return policy
     names = ", ".join(p.name for p in POLICIES)
     raise PlanError(
-        f"tensor parallelism has no policy for {type(model).__name__}: policies exist for {names}. "
-        "Use Plan.tp=1 (data parallelism and ZeRO work for any model)."
+        f"{feature} has no policy for {type(model).__name__}: policies exist for {names}. "
+        f"Use Plan.{'pp' if 'pipeline' in feature else 'tp'}=1 (data parallelism and ZeRO work for any model)."
     )
 
 

@@ -1,14 +1,34 @@
-"""The shape of a policy: a matcher, a size check and a tensor-parallel plan."""
+"""The shape of a policy: a matcher, a size check, a tensor-parallel plan and a pipeline layout."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from tessera.errors import PlanError
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a model can be cut into pipeline stages, by module path.
+
+    The first stage holds ``first`` (embeddings), the last holds ``last`` (final norm, head),
+    every stage holds ``every`` (parameter-free helpers such as a rotary embedding) and the
+    root buffers named in ``buffers``; the blocks of ``layers`` are split by layer range.
+    ``forward(stage, x)`` runs one stage: tokens in on the first, logits out on the last.
+    """
+
+    layers: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    every: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    check: Callable[[nn.Module], None] | None = None  # refuse models this layout cannot cut
 
 
 @dataclass(frozen=True)
@@ -19,6 +39,20 @@ class Policy:
     tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]]  # module path (fnmatch-style) -> style
     tied_embeddings: Callable[[nn.Module], bool]
     ulysses: Callable[[nn.Module, object], None] | None = None  # route attention through Ulysses all-to-all
+    pipeline: PipelineLayout | None = None
+
+    def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
+        """The pipeline layout, after refusing models it cannot cut (tied embeddings, ...)."""
+        if self.pipeline is None:
+            raise PlanError(f"pipeline parallelism (Plan.pp > 1) has no layout for {self.name} yet: use Plan.pp=1.")
+        if self.tied_embeddings(model):
+            raise PlanError(
+                "Plan.pp > 1: tied input/output embeddings are not supported with pipeline parallelism yet (the "
+                "first and last stages would each hold a copy); untie them or use pp=1."
+            )
+        if self.pipeline.check is not None:
+            self.pipeline.check(model)
+        return self.pipeline
 
     def enable_ulysses(self, model: nn.Module, group: object) -> None:
         if self.ulysses is None:

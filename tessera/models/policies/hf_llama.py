@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tessera.models.policies.base import Policy
+from tessera.errors import PlanError
+from tessera.models.policies.base import PipelineLayout, Policy
 
 
 def _is_hf_llama(model: nn.Module) -> bool:
     return type(model).__name__ in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One pipeline stage: the decoder loop of ``LlamaModel.forward`` (no cache, no padding mask)."""
+    from transformers.masking_utils import create_causal_mask
+
+    inner = stage.model
+    h = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
+    position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=stage.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
+    for layer in inner.layers.values():
+        h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+    return stage.lm_head(inner.norm(h)) if hasattr(stage, "lm_head") else h
+
+
+def _check_full_attention(model: nn.Module) -> None:
+    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise PlanError(
+            f"Plan.pp > 1: {type(model).__name__} has {sorted(kinds)} layers; pipeline stages support full causal "
+            "attention only (set use_sliding_window=False) or use pp=1."
+        )
 
 
 HF_LLAMA = Policy(
@@ -34,4 +61,12 @@ HF_LLAMA = Policy(
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     },
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", False)),
+    pipeline=PipelineLayout(
+        layers="model.layers",
+        first=("model.embed_tokens",),
+        last=("model.norm", "lm_head"),
+        every=("model.rotary_emb",),
+        forward=_stage_forward,
+        check=_check_full_attention,
+    ),
 )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tessera.models.policies.base import Policy
+from tessera.models.policies.base import PipelineLayout, Policy
 
 
 def _is_llama(model: nn.Module) -> bool:
@@ -19,6 +20,17 @@ def _ulysses(model: nn.Module, group: object) -> None:
     model.sp_group = group  # rotary positions start at this rank's sequence offset
     for layer in model.layers:
         layer.attention.sp_group = group
+
+
+def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One pipeline stage of the reference Llama: Llama.forward restricted to what the stage holds."""
+    from tessera.models.llama import rotary_positions
+
+    h = stage.tok_embeddings(x) if hasattr(stage, "tok_embeddings") else x
+    cos, sin = rotary_positions(stage, h.shape[1])
+    for layer in stage.layers.values():
+        h = layer(h, cos, sin)
+    return stage.output(stage.norm(h)) if hasattr(stage, "output") else h
 
 
 LLAMA = Policy(
@@ -43,4 +55,11 @@ LLAMA = Policy(
     },
     tied_embeddings=lambda m: m.config.tie_embeddings,
     ulysses=_ulysses,
+    pipeline=PipelineLayout(
+        layers="layers",
+        first=("tok_embeddings",),
+        last=("norm", "output"),
+        buffers=("rope_cos", "rope_sin"),
+        forward=_stage_forward,
+    ),
 )

@@ -1,0 +1,211 @@
+"""Pipeline parallelism: cut a model into stages by its policy and run them with torch's schedules.
+
+A stage (:class:`StageModule`) holds a range of the model's blocks plus, on the first stage,
+the embeddings and, on the last, the final norm and head — under the model's own names
+(``layers.5.attention.wq.weight`` stays ``layers.5.attention.wq.weight``), so checkpoints and
+full state dicts are keyed exactly like the unsplit model. :class:`PipelineModel` is what
+``Booster.boost`` returns: the union of this rank's stages (one, or several for interleaved
+and V schedules). The schedules themselves are ``torch.distributed.pipelining``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from tessera.errors import PlanError
+from tessera.models.policies.base import PipelineLayout
+from tessera.plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineSpec
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Attach ``module`` under ``root`` at the dotted ``path``, making empty containers on the way."""
+    *parents, name = path.split(".")
+    for part in parents:
+        if part not in root._modules:
+            root.add_module(part, nn.Module())
+        root = root._modules[part]  # type: ignore[assignment]
+    root.add_module(name, module)
+
+
+def _merge(into: nn.Module, other: nn.Module) -> None:
+    """Add ``other``'s submodules to ``into``, merging containers both have (e.g. two ranges of layers)."""
+    for name, child in other.named_children():
+        mine = into._modules.get(name)
+        if mine is None and type(child) in (nn.Module, nn.ModuleDict):
+            mine = type(child)()
+            into.add_module(name, mine)
+        if mine is None:
+            into.add_module(name, child)
+        else:
+            _merge(mine, child)
+
+
+class StageModule(nn.Module):
+    """Blocks ``[first, end)`` of ``model`` and what the stage's position needs, under the model's names."""
+
+    def __init__(self, model: nn.Module, layout: PipelineLayout, first: int, end: int, is_first: bool, is_last: bool):
+        super().__init__()
+        self.config = getattr(model, "config", None)
+        self.sp_group = None  # pipeline stages see whole sequences
+        self._stage_forward = layout.forward
+        for path in layout.every + (layout.first if is_first else ()) + (layout.last if is_last else ()):
+            _place(self, path, model.get_submodule(path))
+        blocks = model.get_submodule(layout.layers)
+        _place(self, layout.layers, nn.ModuleDict({str(i): blocks[i] for i in range(first, end)}))
+        for name in layout.buffers:  # e.g. rotary tables: not saved, rebuilt from the config
+            self.register_buffer(name, getattr(model, name), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._stage_forward(self, x)
+
+
+def stage_owners(pp: int, n_stages: int, schedule: str) -> dict[int, int]:
+    """Pipeline rank of each stage: stage s on rank s % pp (looped), or a V (rank r: r and 2pp-1-r).
+
+    The same mapping torch's schedules use, so stages and schedule agree."""
+    return generate_stage_to_rank_mapping(pp, n_stages, style="v" if schedule in V_SCHEDULES else "loop")
+
+
+def split_model(
+    model: nn.Module, layout: PipelineLayout, spec: PipelineSpec, pp: int, pp_rank: int
+) -> list[tuple[int, StageModule]]:
+    """This rank's stages of ``model`` as ``(stage index, module)`` pairs."""
+    n_layers = len(model.get_submodule(layout.layers))
+    ranges = spec.stage_ranges(n_layers, pp)
+    last = len(ranges) - 1
+    return [
+        (i, StageModule(model, layout, *ranges[i], is_first=i == 0, is_last=i == last))
+        for i, owner in stage_owners(pp, len(ranges), spec.schedule).items()
+        if owner == pp_rank
+    ]
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages, seen as one module keyed like the unsplit model.
+
+    ``parameters()``, ``state_dict()`` and checkpoints cover exactly the stages this rank
+    holds. Training goes through ``Booster.execute_pipeline``; calling the model directly
+    is refused because a single stage cannot compute the model's output.
+    """
+
+    def __init__(self, stages: list[tuple[int, nn.Module]]) -> None:
+        super().__init__()
+        for _, stage in stages:
+            _merge(self, stage)
+        self.stage_modules = [stage for _, stage in stages]  # a plain list: not registered twice
+        self.stage_ids = [i for i, _ in stages]
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise PlanError(
+            "a pipeline-parallel model (Plan.pp > 1) runs through booster.execute_pipeline(batches, model, "
+            "loss_fn, optimizer), which returns the loss; it cannot be called like the unsplit model."
+        )
+
+
+class PipelineRunner:
+    """One training step over the micro-batches of a batch, with the Plan's schedule."""
+
+    def __init__(
+        self,
+        model: PipelineModel,
+        spec: PipelineSpec,
+        n_stages: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.group = group
+        self.stages = [
+            PipelineStage(module, i, n_stages, device, group=group)
+            for i, module in zip(model.stage_ids, model.stage_modules)
+        ]
+        self.holds_first = 0 in model.stage_ids
+        self.holds_last = n_stages - 1 in model.stage_ids
+        last_owner = stage_owners(dist.get_world_size(group), n_stages, spec.schedule)[n_stages - 1]
+        self.last_rank = dist.get_global_rank(group, last_owner)
+        self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        cls = SCHEDULES[spec.schedule]
+        stages = self.stages[0] if spec.schedule in SINGLE_STAGE_SCHEDULES else self.stages
+        # The loss is scaled by 1/microbatches here (scale_grads=False): torch's own scaling divides
+        # every gradient after each step, which would shrink gradients accumulated over steps again.
+        self.schedule = cls(stages, spec.microbatches, loss_fn=self._call_loss, scale_grads=False)
+
+    def _call_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target)
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        factor: float,
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the mean micro-batch loss, on every stage.
+
+        ``factor`` multiplies each micro-batch loss before backward (share weight, fp16 scale);
+        the returned loss is the user's, without it.
+        """
+        mb = self.spec.microbatches
+        if inputs.shape[0] % mb:
+            raise PlanError(
+                f"the batch has {inputs.shape[0]} samples, which Plan.pipeline.microbatches={mb} does not divide: "
+                "make each rank's batch a multiple of the micro-batch count."
+            )
+        self._loss_fn = lambda out, tgt: loss_fn(out, tgt) * (factor / mb)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        self.schedule.step(*args, target=target if self.holds_last else None, losses=losses)
+        device = inputs.device
+        if self.holds_last:
+            loss = torch.stack([x.detach().float() for x in losses]).sum() / factor
+        else:
+            loss = torch.zeros((), device=device)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss
+
+
+@torch.no_grad()
+def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average plain (replicated) gradients over ``group`` in one flat all-reduce.
+
+    Used for DDP and ZeRO-1 under pipeline parallelism: the schedule runs the backward
+    passes, so DDP's hooks cannot overlap the reduction; one bucket after the step is simple
+    and works for every schedule (zero-bubble ones split backward in two).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat /= dist.get_world_size(group)
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
