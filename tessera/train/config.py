@@ -84,6 +84,14 @@ class PlanConfig(_Section):
     zero: int = Field(2, ge=0, le=3)
     tp: int = Field(1, gt=0, description="tensor-parallel degree (needs zero 2 or 3 when dp > 1)")
     sp: int = Field(1, gt=0, description="Ulysses sequence-parallel degree (all-to-all attention)")
+    pp: int = Field(1, gt=0, description="pipeline-parallel degree (stages run by torch's schedules)")
+    microbatches: int = Field(1, gt=0, description="micro-batches per step: pipelined, or accumulated when pp=1")
+    schedule: Literal[
+        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+    ] = "1f1b"
+    stages: list[tuple[int, int]] | None = Field(
+        None, description="layer range [first, end) of each pipeline stage; uneven is fine (default: even split)"
+    )
     offload: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -215,14 +223,24 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 def plan_from_config(cfg: PlanConfig) -> Any:
     """The tessera.Plan the config asks for."""
     from tessera import Plan
+    from tessera.plan import PipelineSpec
 
     try:
         if cfg.file:
             return Plan.load(cfg.file)
         shares = tuple(cfg.dp_shares) if cfg.dp_shares else None
         zero = 0 if cfg.preset == "ddp" else cfg.zero
+        pipeline = PipelineSpec(
+            stages=tuple(tuple(s) for s in cfg.stages) if cfg.stages else None,
+            microbatches=cfg.microbatches,
+            schedule=cfg.schedule,
+        )
         return Plan(
             tp=cfg.tp,
+            sp=cfg.sp,
+            sp_mode="all_to_all",
+            pp=cfg.pp,
+            pipeline=pipeline,
             zero=zero,
             offload=cfg.offload,
             precision=cfg.precision,

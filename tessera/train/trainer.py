@@ -94,6 +94,10 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time: a peer died, hung or never arrived."""
 
 
+def next_token_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_of(output).float().flatten(0, 1), targets.flatten())
+
+
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
@@ -113,8 +117,7 @@ def train_step(
     A collective that times out becomes a CollectiveTimeout naming the group and the step.
     """
     try:
-        loss = F.cross_entropy(logits_of(model(batch["x"])).float().flatten(0, 1), batch["y"].flatten())
-        booster.backward(loss, optimizer)
+        loss = booster.execute_pipeline(batch, model, next_token_loss, optimizer)
         grad_norm = booster.clip_grad_norm(model, optimizer, max_norm=grad_clip or math.inf)
         optimizer.step()
         state_bytes = int(tessera.memory.model_state_bytes(model, optimizer))
@@ -287,9 +290,10 @@ class Trainer:
     def _finish(self, log: MetricsLog | None, start_step: int) -> dict[str, Any]:
         """Sample some text, close the log, draw the curve, print the summary."""
         cfg, losses = self.cfg, self.losses
+        # A pipeline stage cannot generate alone: sampling would need a pipelined decode loop.
         sample = (
             generate(self.model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, self.booster.device)
-            if cfg.train.sample_bytes
+            if cfg.train.sample_bytes and self.booster.plan.pp == 1
             else ""
         )
         if log is not None:
