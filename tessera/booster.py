@@ -105,7 +105,7 @@ class Booster:
         # Under pipeline parallelism a rank keeps only its stages' parameters.
         groups = rebuild_optimizer(optimizer, lambda p: current.get(names[id(p)]))
         build = optimizer_factory(optimizer)
-        if self.plan.zero == 1 and self.plan.tp == 1:
+        if self.plan.zero == 1:
             inner = ShardedOptimizer(groups, build, self.grad_mesh.get_group(), offload=self.plan.offload)
         else:
             inner = build(groups)

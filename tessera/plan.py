@@ -309,11 +309,6 @@ class Plan:
 
     def check_composable(self) -> None:
         """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
-        if self.tp > 1 and (self.dp or 1) > 1 and self.zero < 2:
-            raise NotSupportedYet(
-                f"Plan.tp={self.tp} with Plan.dp={self.dp} needs ZeRO-2 or ZeRO-3 (FSDP2 over the dp axis); DDP "
-                "and ZeRO-1 with tensor parallelism are not supported yet: set Plan.zero=2 or 3."
-            )
         if self.sp > 1 and self.tp > 1:
             raise NotSupportedYet(f"Plan.sp={self.sp} together with Plan.tp={self.tp} is not supported yet: use one.")
         if self.pp > 1 and self.sp > 1:

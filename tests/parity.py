@@ -162,3 +162,27 @@ def assert_same_training(got: dict, want: dict, rtol: float = 1e-5, atol: float 
             torch.testing.assert_close(
                 got[part][k], v, rtol=rtol, atol=atol, msg=lambda m, k=k, p=part: f"{p} {k}: {m}"
             )
+
+
+def cases_worker(cases: list[tuple[str, dict, str, float | None]], global_batch: int, steps: int) -> dict:
+    """Run ``(name, plan dict, model kind, max_norm)`` cases one after the other on these ranks
+    (spawning ranks costs more than a case); rank 0 returns each case's results by name."""
+    return {name: tessera_run(plan, kind, global_batch, steps, 1e-3, max_norm) for name, plan, kind, max_norm in cases}
+
+
+def check_cases(world: int, cases: list[tuple[str, dict, str, float | None]], global_batch: int, steps: int) -> None:
+    """Every case equals plain single-process training; the failures are listed together."""
+    from tessera.testing import run_ranks
+
+    results = run_ranks(cases_worker, world, cases, global_batch, steps, timeout_s=600)[0]
+    references: dict[tuple, dict] = {}
+    failures = []
+    for name, _, kind, max_norm in cases:
+        key = (kind, max_norm)
+        if key not in references:
+            references[key] = reference_run(kind, global_batch, steps, max_norm=max_norm)
+        try:
+            assert_same_training(results[name], references[key])
+        except AssertionError as exc:
+            failures.append(f"{name}: {str(exc).splitlines()[0]}")
+    assert not failures, "\n".join(failures)

@@ -117,24 +117,37 @@ def test_checkpoint_loads_under_every_other_layout(source: str, saved_runs: dict
             )
 
 
-def test_pipeline_checkpoints_resume_under_ddp_and_back(saved_runs: dict[str, Path], tmp_path: Path) -> None:
-    """tessera train under pp2×dp2 (ZeRO-1, 1F1B): its step-2 checkpoint continues under DDP, and DDP's
-    continues under the pipeline, each reaching the other's step-3 model and optimizer state."""
-    pipeline = (4, {"preset": "zero", "zero": 1, "pp": 2, "microbatches": 2, "schedule": "1f1b"})
-    source = tmp_path / "pp"
-    train_ranks(pipeline[0], source, steps=3, every=1, plan=pipeline[1])
-    for name, (src, (world, plan)) in {
-        "pp -> ddp": (source, LAYOUTS["ddp2"]),
-        "ddp -> pp": (saved_runs["ddp2"], pipeline),
-    }.items():
+MODEL_PARALLEL = {
+    "pp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
+    "tp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "tp": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(MODEL_PARALLEL))
+def test_model_parallel_checkpoints_resume_under_ddp_and_back(
+    layout: str, saved_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """tessera train under a pipeline or tensor-parallel layout: its step-2 checkpoint continues
+    under DDP, and DDP's continues under that layout, each reaching the other's step-3 model
+    and optimizer state (ZeRO-1's optimizer state is DTensor-shaped under tp)."""
+    world, plan = MODEL_PARALLEL[layout]
+    source = tmp_path / layout
+    train_ranks(world, source, steps=3, every=1, plan=plan)
+    directions = {
+        f"{layout} -> ddp": (source, LAYOUTS["ddp2"]),
+        f"ddp -> {layout}": (saved_runs["ddp2"], (world, plan)),
+    }
+    for name, (src, (n, target_plan)) in directions.items():
         run = tmp_path / name.replace(" -> ", "-to-")
         (run / "t" / "checkpoints").mkdir(parents=True)
         shutil.copytree(ckpt(src, 2), ckpt(run, 2))
-        assert train_ranks(world, run, steps=3, every=1, plan=plan)["resumed_from"].endswith("step_00000002")
+        assert train_ranks(n, run, steps=3, every=1, plan=target_plan)["resumed_from"].endswith("step_00000002")
         want, got = checkpoint_tensors(ckpt(src, 3), tmp_path), checkpoint_tensors(ckpt(run, 3), tmp_path)
         assert got.keys() == want.keys(), f"{name}: {sorted(got.keys() ^ want.keys())}"
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{name}, {k}: {m}")
+            torch.testing.assert_close(
+                got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, name=name: f"{name}, {k}: {m}"
+            )
 
 
 def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:

@@ -75,8 +75,9 @@ def sharded_worker(name: str, plan_dict: dict) -> dict:
         (tessera.ZeRO(stage=3), 4),
         (tessera.ZeRO(stage=1), 2),
         (tessera.ZeRO(stage=3, dp_shares=(3, 1)), 2),
+        (tessera.Hybrid(tp=2, zero=1), 4),  # pieces of tp shards: norms summed over dp and tp
     ],
-    ids=["zero3x2", "zero3x4", "zero1x2", "zero3-shares3-1"],
+    ids=["zero3x2", "zero3x4", "zero1x2", "zero3-shares3-1", "zero1-dp2xtp2"],
 )
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_sharded_layerwise_optimizer_equals_single_process(name: str, plan: tessera.Plan, world: int) -> None:

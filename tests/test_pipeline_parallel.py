@@ -9,11 +9,9 @@ a few process groups (one per world size) because spawning ranks costs more than
 
 from __future__ import annotations
 
-import functools
-
+import parity
 import pytest
 import torch
-from parity import assert_same_training, reference_run, tessera_run
 
 import tessera
 from tessera.errors import PlanError
@@ -31,28 +29,8 @@ def pp_plan(pp: int, schedule: str, microbatches: int, stages=None, **fields) ->
     return tessera.Plan(pp=pp, pipeline=pipeline, **fields).to_dict()
 
 
-@functools.cache
-def reference(kind: str, max_norm: float | None = None) -> dict:
-    return reference_run(kind, BATCH, STEPS, max_norm=max_norm)
-
-
-def cases_worker(cases: list[tuple[str, dict, str, float | None]]) -> dict:
-    """Run every case on these ranks, one after the other; rank 0 returns results by case name."""
-    results = {}
-    for name, plan, kind, max_norm in cases:
-        results[name] = tessera_run(plan, kind, BATCH, STEPS, 1e-3, max_norm)
-    return results
-
-
 def check_cases(world: int, cases: list[tuple[str, dict, str, float | None]]) -> None:
-    results = run_ranks(cases_worker, world, cases, timeout_s=600)[0]
-    failures = []
-    for name, _, kind, max_norm in cases:
-        try:
-            assert_same_training(results[name], reference(kind, max_norm))
-        except AssertionError as exc:
-            failures.append(f"{name}: {str(exc).splitlines()[0]}")
-    assert not failures, "\n".join(failures)
+    parity.check_cases(world, cases, BATCH, STEPS)
 
 
 def test_every_schedule_on_pp2_even_and_uneven_stages_equals_single_process() -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import GLOBAL_BATCH_DEFAULT, assert_same_training, build_model, reference_run, tessera_run
+from parity import GLOBAL_BATCH_DEFAULT, build_model, check_cases
 from torch import nn
 
 import tessera
@@ -93,27 +91,29 @@ def test_vocab_parallel_embedding_and_cross_entropy_equal_dense() -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@functools.cache
-def reference(kind: str) -> dict:
-    return reference_run(kind, GLOBAL_BATCH_DEFAULT, 3)
+TP2 = tessera.Hybrid(tp=2).to_dict()
+KINDS = ("llama", "hf_llama", "hf_qwen2")
 
 
-LAYOUTS = {
-    "tp2": (tessera.Hybrid(tp=2), 2),
-    "dp2xtp2-zero2": (tessera.Hybrid(tp=2, zero=2), 4),
-    "dp2xtp2-zero3": (tessera.Hybrid(tp=2, zero=3), 4),
-    "dp2xtp2-zero3-shares3-1": (tessera.Hybrid(tp=2, zero=3, dp_shares=(3, 1)), 4),
-}
-CASES = [("llama", layout) for layout in LAYOUTS] + [
-    (kind, layout) for kind in ("hf_llama", "hf_qwen2") for layout in ("tp2", "dp2xtp2-zero3")
-]
+def test_tp2_training_equals_single_process() -> None:
+    """Acceptance 6, tp2, for the reference Llama and each Hugging Face family with a policy."""
+    check_cases(2, [(f"{kind} tp2", TP2, kind, None) for kind in KINDS], GLOBAL_BATCH_DEFAULT, 3)
 
 
-@pytest.mark.parametrize("kind,layout", CASES, ids=[f"{k}-{lay}" for k, lay in CASES])
-def test_tensor_parallel_training_equals_single_process(kind: str, layout: str) -> None:
-    plan, world = LAYOUTS[layout]
-    results = run_ranks(tessera_run, world, plan.to_dict(), kind, GLOBAL_BATCH_DEFAULT, 3)
-    assert_same_training(results[0], reference(kind))
+def test_dp2_tp2_with_every_zero_stage_equals_single_process() -> None:
+    """Acceptance 6, dp2×tp2 with DDP and ZeRO-1/2/3 (and uneven shares), on one 4-rank group."""
+    cases = [
+        (f"{kind} dp2xtp2 zero{zero}", tessera.Hybrid(tp=2, zero=zero).to_dict(), kind, None)
+        for kind in KINDS
+        for zero in (0, 1, 2, 3)
+    ]
+    cases.append(
+        ("llama dp2xtp2 zero3 shares 3:1", tessera.Hybrid(tp=2, zero=3, dp_shares=(3, 1)).to_dict(), "llama", None)
+    )
+    cases.append(
+        ("llama dp2xtp2 zero1 shares 3:1", tessera.Hybrid(tp=2, zero=1, dp_shares=(3, 1)).to_dict(), "llama", None)
+    )
+    check_cases(4, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
 def bad_tp_worker(kind: str, plan_dict: dict) -> str:
@@ -137,8 +137,3 @@ def test_tp_that_does_not_divide_heads_is_refused() -> None:
 def test_model_without_a_policy_names_the_policies() -> None:
     message = run_ranks(bad_tp_worker, 2, "gpt2", tessera.Hybrid(tp=2).to_dict())[0]
     assert "no policy for GPT2LMHeadModel" in message and "tessera Llama" in message, message
-
-
-def test_tp_with_ddp_over_dp_is_not_supported_yet() -> None:
-    with pytest.raises(tessera.NotSupportedYet, match="ZeRO-2 or ZeRO-3"):
-        tessera.Hybrid(tp=2, zero=0).resolve(4).check_composable()

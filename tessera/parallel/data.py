@@ -1,8 +1,8 @@
 """Apply the data-parallel part of a Plan: DDP, ZeRO-1, ZeRO-2 or ZeRO-3.
 
 Engines (see docs/architecture.md for why):
-    zero=0  torch DDP
-    zero=1  torch DDP for gradients + our ShardedOptimizer (optimizer state 1/N)
+    zero=0  torch DDP (torch's FSDP2-based ``replicate`` for tensor-parallel DTensor parameters)
+    zero=1  the same for gradients + our ShardedOptimizer (optimizer state 1/N)
     zero=2  FSDP2 ``fully_shard(reshard_after_forward=False)``
     zero=3  FSDP2 ``fully_shard`` (parameters resharded after forward)
 """
@@ -59,10 +59,10 @@ def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: 
         model.to(device)
         if dtype != torch.float32:
             _autocast_forward(model, device, dtype)
-        if plan.tp > 1:  # dp == 1 (Plan.check_composable): nothing to synchronise, no wrapper
-            return model
         if plan.pp > 1:  # the schedule runs backward: gradients are averaged after it (pipeline.average_gradients)
             return model
+        if plan.tp > 1:
+            return _replicate(model, mesh)
         return DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -81,6 +81,19 @@ def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: 
     for block in repeated_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def _replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP for tensor-parallel (DTensor) parameters, which torch's DDP cannot hold: torch's
+    FSDP2-based ``replicate`` over the dp mesh, one unit per block so reductions overlap backward."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    if mesh.size() == 1:
+        return model  # nothing to synchronise
+    for block in repeated_blocks(model):
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
     return model
 
 

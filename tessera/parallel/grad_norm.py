@@ -93,8 +93,7 @@ def _shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
     """The process groups across which ``p``'s elements are split (none when replicated)."""
     if isinstance(p, DTensor):
         return tuple(p.device_mesh.get_group(d) for d in _sharded_over(p))
-    group = getattr(p, "_tessera_shard_group", None)  # a ZeRO-1 piece of a larger parameter
-    return (group,) if group is not None else ()
+    return getattr(p, "_tessera_shard_groups", ())  # a ZeRO-1 piece of a larger parameter
 
 
 @torch.no_grad()

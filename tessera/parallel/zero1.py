@@ -1,6 +1,8 @@
 """ZeRO-1: shard optimizer state across data-parallel ranks, keep parameters whole.
 
-Gradients arrive already averaged (DDP all-reduce). Picture all parameters
+Gradients arrive already averaged (DDP all-reduce). Under tensor parallelism a parameter
+is a DTensor and everything below works on its local shard: the dp ranks of one tp rank
+hold shards of equal shape, so they partition them the same way. Picture all parameters
 laid end to end (no copy is made): rank r owns the r-th of N equal contiguous
 ranges of that line. Its piece of each parameter is a *view* into the
 parameter, stepped by the user's optimizer class; then each piece is broadcast
@@ -20,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tessera.distributed import local
 
 
 @dataclass
@@ -50,7 +55,7 @@ class ShardedOptimizer:
         self.world = dist.get_world_size(group)
         self.offload = offload
         self.slices: list[_Slice] = []
-        total = sum(p.numel() for pg in param_groups for p in pg["params"])
+        total = sum(local(p).numel() for pg in param_groups for p in pg["params"])
         per_rank = math.ceil(total / self.world)
         offset = 0
         local_groups = []
@@ -58,24 +63,30 @@ class ShardedOptimizer:
             shards = []
             for p in pg["params"]:
                 s = self._make_slice(p, offset, per_rank, offload)
-                offset += p.numel()
+                offset += local(p).numel()
                 self.slices.append(s)
                 shards.append(s.shard)
             local_groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": shards})
         self.local = build_optimizer(local_groups)
 
     def _make_slice(self, p: nn.Parameter, offset: int, per_rank: int, offload: bool) -> _Slice:
-        n = p.numel()
+        n = local(p).numel()
         owners = []
         for r in range(offset // per_rank, min(self.world, (offset + n - 1) // per_rank + 1) if n else 0):
             lo, hi = max(r * per_rank, offset) - offset, min((r + 1) * per_rank, offset + n) - offset
             if hi > lo:
                 owners.append((r, lo, hi))
         start, end = next(((lo, hi) for r, lo, hi in owners if r == self.rank), (0, 0))
-        view = p.detach().view(-1)[start:end]
-        data = view.to("cpu", copy=True) if offload and p.device.type != "cpu" else view
+        view = local(p).detach().view(-1)[start:end]
+        data = view.to("cpu", copy=True) if offload and view.device.type != "cpu" else view
         shard = nn.Parameter(data)
-        shard._tessera_shard_group = self.group  # layer-wise optimizers reduce norms over it
+        # Layer-wise optimizers reduce norms over the dp group, and over tp when p is a tp shard.
+        tp_groups = (
+            [p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if pl.is_shard()]
+            if isinstance(p, DTensor)
+            else []
+        )
+        shard._tessera_shard_groups = (self.group, *tp_groups)
         return _Slice(full=p, shard=shard, start=start, end=end, owners=owners)
 
     @property
@@ -96,7 +107,7 @@ class ShardedOptimizer:
             if s.full.grad is None:
                 s.shard.grad = None
                 continue
-            g = s.full.grad.view(-1)[s.start : s.end]
+            g = local(s.full.grad).view(-1)[s.start : s.end]
             s.shard.grad = g.to(s.shard.device) if g.device != s.shard.device else g
         self.local.step()
         self._gather_params()
@@ -113,7 +124,7 @@ class ShardedOptimizer:
             self._copy_back_own()
         if self.world == 1:
             return
-        pending = [work for s in self.slices for work in self._broadcast_pieces(s, s.full.detach().view(-1))]
+        pending = [work for s in self.slices for work in self._broadcast_pieces(s, local(s.full).detach().view(-1))]
         for work in pending:
             work.wait()
 
@@ -127,7 +138,7 @@ class ShardedOptimizer:
     def _copy_back_own(self) -> None:
         """Offloaded slices live in CPU copies: write them back into the device parameters."""
         for s in self.slices:
-            dst = s.full.detach().view(-1)[s.start : s.end]
+            dst = local(s.full).detach().view(-1)[s.start : s.end]
             if dst.data_ptr() != s.shard.data_ptr():
                 dst.copy_(s.shard.detach().view(-1))
 
@@ -165,12 +176,13 @@ class ShardedOptimizer:
         for s in self.slices:
             local_state = self.local.state[s.shard]
             entry: dict[str, Any] = {}
+            mine = local(s.full)
             for key, value in local_state.items():
                 if isinstance(value, torch.Tensor) and value.numel() == s.shard.numel() and value.dim() > 0:
-                    full = torch.zeros(s.full.numel(), dtype=value.dtype, device=s.full.device)
+                    full = torch.zeros(mine.numel(), dtype=value.dtype, device=mine.device)
                     full[s.start : s.end].copy_(value.view(-1))
                     pending += self._broadcast_pieces(s, full)
-                    entry[key] = full.view(s.full.shape)
+                    entry[key] = _like(s.full, full.view(mine.shape))
                 else:
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
             state[names[id(s.full)]] = entry
@@ -194,6 +206,7 @@ class ShardedOptimizer:
             local_state = self.local.state[s.shard]
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor) and value.numel() == s.full.numel() and value.dim() > 0:
+                    value = local(value)
                     local_state[key] = value.reshape(-1)[s.start : s.end].to(s.shard.device, copy=True)
                 else:
                     local_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -202,3 +215,11 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.local.load_state_dict(state)
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (shaped like ``param``'s local shard) as a tensor laid out like ``param``: a DTensor
+    with the same placements for a tensor-parallel parameter, so checkpoints hold the full state."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return value

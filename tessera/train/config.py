@@ -82,7 +82,7 @@ class PlanConfig(_Section):
 
     preset: Literal["ddp", "zero"] = "zero"
     zero: int = Field(2, ge=0, le=3)
-    tp: int = Field(1, gt=0, description="tensor-parallel degree (needs zero 2 or 3 when dp > 1)")
+    tp: int = Field(1, gt=0, description="tensor-parallel degree (composes with dp under any ZeRO stage)")
     sp: int = Field(1, gt=0, description="Ulysses sequence-parallel degree (all-to-all attention)")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree (stages run by torch's schedules)")
     microbatches: int = Field(1, gt=0, description="micro-batches per step: pipelined, or accumulated when pp=1")
