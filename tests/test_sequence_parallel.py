@@ -1,12 +1,12 @@
 """Hybrid-issue acceptance 3 and the sp part of 6: Ulysses attention equals full attention, and
-Ulysses training of the reference Llama equals single-process training."""
+Ulysses training of the reference Llama and the Hugging Face models equals single-process training."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import GLOBAL_BATCH_DEFAULT, assert_same_training, reference_run, tessera_run
+from parity import GLOBAL_BATCH_DEFAULT, check_cases
 
 import tessera
 from tessera.testing import run_ranks
@@ -67,19 +67,25 @@ def test_heads_not_dividing_sp_is_a_clear_error() -> None:
     assert "3 attention heads do not divide by sp=2" in run_ranks(heads_not_dividing_worker, 2)[0]
 
 
-SP_LAYOUTS = {
-    "sp2": (tessera.Plan(sp=2, sp_mode="all_to_all"), 2),
-    "dp2xsp2-zero1": (tessera.Plan(sp=2, sp_mode="all_to_all", zero=1), 4),
-    "dp2xsp2-zero3": (tessera.Plan(sp=2, sp_mode="all_to_all", zero=3), 4),
-    "dp2xsp2-zero2-shares3-1": (tessera.Plan(sp=2, sp_mode="all_to_all", zero=2, dp_shares=(3, 1)), 4),
-}
+KINDS = ("llama", "hf_llama", "hf_qwen2")
 
 
-@pytest.mark.parametrize("layout", list(SP_LAYOUTS))
-def test_ulysses_training_equals_single_process(layout: str) -> None:
-    plan, world = SP_LAYOUTS[layout]
-    results = run_ranks(tessera_run, world, plan.to_dict(), "llama", GLOBAL_BATCH_DEFAULT, 3)
-    assert_same_training(results[0], reference_run("llama", GLOBAL_BATCH_DEFAULT, 3))
+def sp_plan(**fields) -> dict:
+    return tessera.Plan(sp=2, sp_mode="all_to_all", **fields).to_dict()
+
+
+def test_ulysses_sp2_training_equals_single_process() -> None:
+    """Acceptance 6, sp all_to_all, for the reference Llama and each Hugging Face family with a policy."""
+    check_cases(2, [(f"{kind} sp2", sp_plan(), kind, None) for kind in KINDS], GLOBAL_BATCH_DEFAULT, 3)
+
+
+def test_ulysses_with_dp_and_zero_equals_single_process() -> None:
+    cases = [(f"{kind} dp2xsp2 zero3", sp_plan(zero=3), kind, None) for kind in KINDS]
+    cases += [
+        ("llama dp2xsp2 zero1", sp_plan(zero=1), "llama", None),
+        ("llama dp2xsp2 zero2 shares 3:1", sp_plan(zero=2, dp_shares=(3, 1)), "llama", None),
+    ]
+    check_cases(4, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
 def test_split_gather_is_refused_until_it_lands() -> None:

@@ -6,25 +6,25 @@ runs over the full sequence for H/P heads, and a second all-to-all turns it back
 must divide by P; key/value heads too, or they are repeated up to the query heads first
 (grouped-query attention with fewer kv heads than ranks).
 
-This module is the attention building block and its parity test; wiring it into the models
-(sequence-sliced data, rotary offsets, the loss over all ranks' tokens) is still to come.
+The loader slices each sequence per rank; the model policies route attention here (the
+reference Llama directly, Hugging Face models through their attention-function registry) and
+start rotary positions at the rank's offset.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
 
 from tessera.errors import PlanError
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all over dim 0 (chunk j goes to rank j)."""
-    x = x.contiguous()
-    # Not empty_like: it would copy a permuted input's strides, and the collective writes plain rows.
-    return all_to_all_single(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, group=group)
+    out = funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
+    return funcol.wait_tensor(out)
 
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -46,7 +46,13 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, is_causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    is_causal: bool = True,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention over the whole sequence for inputs holding this rank's sequence slice.
 
@@ -66,5 +72,51 @@ def ulysses_attention(
     repeat = q.shape[1] // k.shape[1]  # grouped-query attention on the local heads
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     return heads_to_seq(out, group)
+
+
+HF_ATTENTION = "tessera_ulysses"
+
+
+def hf_ulysses_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention-function signature around :func:`ulysses_attention` (causal, no padding
+    mask): q/k/v (batch, heads, seq/P, dim) in, (batch, seq/P, heads, dim) out."""
+    out = ulysses_attention(query, key, value, module.sp_group, scale=scaling, dropout_p=dropout)  # type: ignore[arg-type]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def enable_hf_ulysses(
+    model: torch.nn.Module, attention_modules: list[torch.nn.Module], group: dist.ProcessGroup
+) -> None:
+    """Route a Hugging Face model's attention through Ulysses over ``group``.
+
+    Registers the attention function, points each attention module at the group, and gives the
+    model this rank's positions (its sequence slice starts at rank × slice length) unless the
+    caller passes ``position_ids`` itself.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_ATTENTION, hf_ulysses_attention)
+    model.set_attn_implementation(HF_ATTENTION)
+    for module in attention_modules:
+        module.sp_group = group
+
+    def positions(_: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("position_ids") is None:
+            tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            seq = tokens.shape[1]
+            start = seq * dist.get_rank(group)
+            kwargs["position_ids"] = torch.arange(start, start + seq, device=tokens.device).unsqueeze(0)
+        return args, kwargs
+
+    model.register_forward_pre_hook(positions, with_kwargs=True)

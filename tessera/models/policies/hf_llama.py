@@ -40,6 +40,12 @@ def _check_full_attention(model: nn.Module) -> None:
         )
 
 
+def _ulysses(model: nn.Module, group: object) -> None:
+    from tessera.parallel.sequence import enable_hf_ulysses
+
+    enable_hf_ulysses(model, [layer.self_attn for layer in model.model.layers], group)  # type: ignore[arg-type]
+
+
 HF_LLAMA = Policy(
     name="Hugging Face Llama",
     matches=_is_hf_llama,
@@ -61,6 +67,7 @@ HF_LLAMA = Policy(
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     },
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", False)),
+    ulysses=_ulysses,
     pipeline=PipelineLayout(
         layers="model.layers",
         first=("model.embed_tokens",),
