@@ -34,7 +34,7 @@ from tessera.parallel import data as data_parallel
 from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.pipeline import PipelineModel, PipelineRunner, average_gradients, split_model
 from tessera.parallel.recompute import apply_recompute
-from tessera.parallel.tensor import apply_tensor_parallel, apply_tensor_parallel_to_stage
+from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel, apply_tensor_parallel_to_stage
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
@@ -49,7 +49,6 @@ class Booster:
             raise PlanError(
                 f"Booster(plan=...) needs a tessera.Plan (e.g. tessera.ZeRO(stage=2)), got {type(plan).__name__}."
             )
-        plan.check_supported()
         # Validate everything that can be checked before touching a process group.
         self.device = distributed.pick_device(plan.device)
         distributed.init()
@@ -57,8 +56,8 @@ class Booster:
         # Ranks are laid out (pp, dp, tp) or (pp, dp, sp) row-major, as init_device_mesh does: the
         # ranks of one tp or sp group are neighbours and share their samples, and every stage of
         # one pipeline reads the same samples.
-        self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.sp)) % self.plan.dp
-        self.sp_rank = dist.get_rank() % self.plan.sp
+        self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
+        self.sp_rank = dist.get_rank() % self.plan.ulysses_size
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         self._grad_mesh: DeviceMesh | None = None
         shares = self.plan.shares()
@@ -93,8 +92,9 @@ class Booster:
                 policy_for(model).check_tp(model, self.plan.tp)  # before any group is created
                 if not self.plan.offload:
                     model.to(self.device)
-                apply_tensor_parallel(model, self.mesh["tp"])
-            if self.plan.sp > 1:
+                split_gather = self.plan.sp > 1 and self.plan.sp_mode == "split_gather"
+                apply_tensor_parallel(model, self.mesh["tp"], sequence_parallel=split_gather)
+            if self.plan.ulysses_size > 1:
                 policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
             apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
             wrapped = data_parallel.apply_data_parallel(model, self.plan, self.grad_mesh, self.device)
@@ -137,7 +137,7 @@ class Booster:
             shape, names = [self.plan.dp], ["dp"]
             if self.plan.tp > 1:
                 shape, names = [self.plan.dp, self.plan.tp], ["dp", "tp"]
-            elif self.plan.sp > 1:
+            elif self.plan.ulysses_size > 1:
                 shape, names = [self.plan.dp, self.plan.sp], ["dp", "sp"]
             if self.plan.pp > 1:  # outermost: stages talk point-to-point, the cheapest traffic for slow links
                 shape, names = [self.plan.pp, *shape], ["pp", *names]
@@ -148,7 +148,7 @@ class Booster:
     def grad_mesh(self) -> DeviceMesh:
         """The 1-D mesh over which gradients are averaged: ``dp``, or dp × sp with sequence
         parallelism (sp ranks see different tokens of the same samples)."""
-        if self.plan.sp == 1:
+        if self.plan.ulysses_size == 1:
             return self.mesh["dp"]
         if self._grad_mesh is None:
             self.mesh  # noqa: B018 -- the (dp, sp) groups first, in the same order on every rank
@@ -217,6 +217,7 @@ class Booster:
     ) -> torch.Tensor:
         """Clip by the global gradient norm over every shard; return that norm (before clipping)."""
         params = list(model.parameters())
+        align_grad_placements(params)
         if self.scaler is not None and self.scaler.unscale_(params):
             return torch.tensor(float("inf"))  # overflow: the step will be skipped anyway
         # Pipeline stages hold disjoint parameters: their partial norms add up over the pp group.
@@ -252,7 +253,7 @@ class Booster:
             seed=seed,
             shuffle=shuffle,
         )
-        seq_slice = (self.sp_rank, self.plan.sp) if self.plan.sp > 1 else None
+        seq_slice = (self.sp_rank, self.plan.sp) if self.plan.ulysses_size > 1 else None
         return ShardedLoader(
             dataset, sampler, self.device, collate_fn=collate_fn, num_workers=num_workers, seq_slice=seq_slice
         )

@@ -181,7 +181,9 @@ class Plan:
     Fields:
         dp: data-parallel size; ``None`` fills every rank left by tp × pp × sp.
         tp, pp, sp: tensor-, pipeline- and sequence-parallel sizes.
-        sp_mode: ``"split_gather"`` (Megatron) or ``"all_to_all"`` (Ulysses).
+        sp_mode: ``"split_gather"`` (Megatron: activations split along the sequence over the tp
+            ranks outside attention and MLP; needs sp == tp and adds no ranks) or
+            ``"all_to_all"`` (Ulysses: sp more ranks, each holding a slice of every sequence).
         zero: ZeRO stage 0–3 over the data-parallel axis (0 is plain DDP).
         offload: keep sharded state on the CPU between uses.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (dynamic loss scaling).
@@ -197,7 +199,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     sp: int = 1
-    sp_mode: str = "split_gather"
+    sp_mode: str = "all_to_all"
     zero: int = 0
     offload: bool = False
     precision: str = "fp32"
@@ -247,6 +249,12 @@ class Plan:
                 "or a multiple of pp for interleaved schedules (several stages per rank)."
             )
         self.pipeline.check_schedule(self.pp)
+        if self.sp > 1 and self.sp_mode == "split_gather" and self.sp != self.tp:
+            raise PlanError(
+                f"Plan.sp={self.sp} with sp_mode='split_gather' must equal Plan.tp={self.tp}: Megatron sequence "
+                "parallelism splits activations over the tensor-parallel ranks. Set sp=tp, or use "
+                "sp_mode='all_to_all' (Ulysses) for sequence parallelism without tp."
+            )
         if self.offload and self.zero == 0:
             raise PlanError(
                 "Plan.offload=True needs a ZeRO stage (Plan.zero=1, 2 or 3): DDP keeps everything on the device."
@@ -254,9 +262,14 @@ class Plan:
 
     # ----------------------------------------------------------------- sizes
     @property
+    def ulysses_size(self) -> int:
+        """Ranks per Ulysses group: ``sp`` for all_to_all; 1 for split_gather, which reuses tp's ranks."""
+        return self.sp if self.sp_mode == "all_to_all" else 1
+
+    @property
     def model_parallel_size(self) -> int:
-        """Ranks that together hold one replica of the model (tp × pp × sp)."""
-        return self.tp * self.pp * self.sp
+        """Ranks that together hold one replica of the model (tp × pp × Ulysses sp)."""
+        return self.tp * self.pp * self.ulysses_size
 
     def resolve(self, world_size: int) -> Plan:
         """Return this Plan with ``dp`` filled in for ``world_size`` ranks, checking the product and
@@ -272,7 +285,7 @@ class Plan:
             dp = world_size // mp
         if dp * mp != world_size:
             raise PlanError(
-                f"Plan.dp×tp×pp×sp = {dp}×{self.tp}×{self.pp}×{self.sp} = {dp * mp} but the job has "
+                f"Plan.dp×tp×pp×sp = {dp}×{self.tp}×{self.pp}×{self.ulysses_size} = {dp * mp} but the job has "
                 f"{world_size} ranks: make the product equal the world size (or leave Plan.dp unset)."
             )
         if self.dp_shares is not None and len(self.dp_shares) != dp:
@@ -295,22 +308,13 @@ class Plan:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
         return self.dp_shares if self.dp_shares is not None else (1,) * dp
 
-    def check_supported(self) -> None:
-        """Refuse fields whose feature has not landed yet, instead of ignoring them."""
-        unsupported = {
-            "sp": (self.sp != 1 and self.sp_mode != "all_to_all", "Megatron split/gather sequence parallelism"),
-        }
-        for name, (asked, feature) in unsupported.items():
-            if asked:
-                raise NotSupportedYet(
-                    f"Plan.{name}={getattr(self, name)!r}: {feature} is not supported yet in this "
-                    f"version of Tessera; leave Plan.{name} at its default."
-                )
-
     def check_composable(self) -> None:
         """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
-        if self.sp > 1 and self.tp > 1:
-            raise NotSupportedYet(f"Plan.sp={self.sp} together with Plan.tp={self.tp} is not supported yet: use one.")
+        if self.ulysses_size > 1 and self.tp > 1:
+            raise NotSupportedYet(
+                f"Plan.sp={self.sp} (all_to_all) together with Plan.tp={self.tp} is not supported yet: use one, "
+                "or sp_mode='split_gather' (sequence parallelism inside the tp group)."
+            )
         if self.pp > 1 and self.sp > 1:
             raise NotSupportedYet(f"Plan.pp={self.pp} together with Plan.sp={self.sp} is not supported yet: use one.")
         if self.pp > 1 and self.offload:

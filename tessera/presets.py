@@ -39,8 +39,8 @@ def Hybrid(
     dp: int | None = None,
     tp: int = 1,
     pp: int = 1,
-    sp: int = 1,
-    sp_mode: str = "split_gather",
+    sp: int | str = 1,
+    sp_mode: str = "all_to_all",
     zero: int = 0,
     precision: str = "fp32",
     microbatches: int = 1,
@@ -49,12 +49,21 @@ def Hybrid(
     dp_shares: Sequence[int] | None = None,
     device: str = "auto",
 ) -> Plan:
-    """Several parallel dimensions at once: dp × tp (× pp × sp as they land), ZeRO over dp.
+    """Several parallel dimensions at once: dp × tp × pp (or × Ulysses sp), ZeRO over dp.
+
+    ``sp="split_gather"`` is Megatron sequence parallelism inside the tp group (sp = tp);
+    an integer ``sp`` with ``sp_mode="all_to_all"`` is Ulysses over ``sp`` more ranks.
 
     Example:
         >>> Hybrid(tp=2, zero=3).tp
         2
+        >>> Hybrid(tp=2, sp="split_gather").sp
+        2
     """
+    if isinstance(sp, str):
+        if sp != "split_gather":
+            raise PlanError(f"Hybrid(sp={sp!r}): give sp='split_gather', or an integer sp with sp_mode='all_to_all'.")
+        sp, sp_mode = tp, "split_gather"
     pipeline = PipelineSpec(
         stages=tuple(tuple(s) for s in stages) if stages is not None else None,
         microbatches=microbatches,

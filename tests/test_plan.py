@@ -78,10 +78,19 @@ def test_unknown_key_suggests_the_nearest() -> None:
         Plan.from_dict({"zeroo": 2})
 
 
-@pytest.mark.parametrize("field,value", [("sp", 2)])  # sp: split_gather (the default mode)
-def test_features_not_landed_are_refused_not_ignored(field: str, value) -> None:
-    with pytest.raises(tessera.NotSupportedYet, match=f"Plan.{field}"):
-        tessera.Booster(Plan(**{field: value}))
+def test_split_gather_needs_sp_equal_to_tp() -> None:
+    with pytest.raises(PlanError, match="must equal Plan.tp=1"):
+        Plan(sp=2, sp_mode="split_gather")
+    with pytest.raises(PlanError, match="sp='split_gather'"):
+        tessera.Hybrid(tp=2, sp="ulysses")
+    assert tessera.Hybrid(tp=2, sp="split_gather").resolve(2).dp == 1  # split/gather adds no ranks
+
+
+def test_layouts_that_do_not_compose_yet_are_refused_not_ignored() -> None:
+    with pytest.raises(tessera.NotSupportedYet, match="Plan.sp=2 .all_to_all. together with Plan.tp=2"):
+        Plan(tp=2, sp=2).resolve(4)
+    with pytest.raises(tessera.NotSupportedYet, match="Plan.pp=2 together with Plan.sp=2"):
+        tessera.Hybrid(pp=2, sp=2, microbatches=2).resolve(4)
 
 
 def test_cuda_requested_without_cuda_is_a_clear_error() -> None:

@@ -1,5 +1,6 @@
 """Hybrid-issue acceptance 3 and the sp part of 6: Ulysses attention equals full attention, and
-Ulysses training of the reference Llama and the Hugging Face models equals single-process training."""
+Ulysses and Megatron split/gather training of the reference Llama and the Hugging Face models
+equal single-process training."""
 
 from __future__ import annotations
 
@@ -74,13 +75,29 @@ def sp_plan(**fields) -> dict:
     return tessera.Plan(sp=2, sp_mode="all_to_all", **fields).to_dict()
 
 
-def test_ulysses_sp2_training_equals_single_process() -> None:
-    """Acceptance 6, sp all_to_all, for the reference Llama and each Hugging Face family with a policy."""
-    check_cases(2, [(f"{kind} sp2", sp_plan(), kind, None) for kind in KINDS], GLOBAL_BATCH_DEFAULT, 3)
+SPLIT_GATHER = tessera.Hybrid(tp=2, sp="split_gather")
+
+
+def test_sp2_training_equals_single_process() -> None:
+    """Acceptance 6: sp all_to_all, and sp split_gather with tp2, for the reference Llama and each
+    Hugging Face family with a policy."""
+    cases = [(f"{kind} sp2", sp_plan(), kind, None) for kind in KINDS]
+    cases += [(f"{kind} tp2 split_gather", SPLIT_GATHER.to_dict(), kind, None) for kind in KINDS]
+    check_cases(2, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
 def test_ulysses_with_dp_and_zero_equals_single_process() -> None:
     cases = [(f"{kind} dp2xsp2 zero3", sp_plan(zero=3), kind, None) for kind in KINDS]
+    cases += [
+        (
+            f"{kind} dp2x(tp2 split_gather) zero{z}",
+            tessera.Hybrid(tp=2, sp="split_gather", zero=z).to_dict(),
+            kind,
+            None,
+        )
+        for kind in ("llama", "hf_qwen2")
+        for z in (1, 3)
+    ]
     cases += [
         ("llama dp2xsp2 zero1", sp_plan(zero=1), "llama", None),
         ("llama dp2xsp2 zero2 shares 3:1", sp_plan(zero=2, dp_shares=(3, 1)), "llama", None),
@@ -88,6 +105,30 @@ def test_ulysses_with_dp_and_zero_equals_single_process() -> None:
     check_cases(4, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
-def test_split_gather_is_refused_until_it_lands() -> None:
-    with pytest.raises(tessera.NotSupportedYet, match="split/gather"):
-        tessera.Plan(sp=2, sp_mode="split_gather").check_supported()
+def split_gather_shapes_worker(kind: str) -> dict:
+    """The sequence length each norm actually sees under split/gather (parity alone cannot show it)."""
+    from parity import SEQ, build_model
+
+    from tessera.distributed import local
+
+    model = build_model(kind)
+    norms = {
+        "llama": lambda m: (m.layers[0].attention_norm, m.norm),
+        "hf_llama": lambda m: (m.model.layers[0].input_layernorm, m.model.norm),
+    }[kind](model)
+    seen = []
+    for norm in norms:
+        norm.register_forward_hook(lambda mod, args, out: seen.append(local(args[0]).shape[1]))
+    booster = tessera.Booster(SPLIT_GATHER)
+    model, _ = booster.boost(model)
+    logits = model(torch.zeros(2, SEQ, dtype=torch.long))
+    return {"norm_seq": seen, "logits_seq": local(getattr(logits, "logits", logits)).shape[1]}
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
+def test_split_gather_norms_see_a_sequence_shard(kind: str) -> None:
+    from parity import SEQ
+
+    got = run_ranks(split_gather_shapes_worker, 2, kind)[0]
+    assert got["norm_seq"] == [SEQ // 2, SEQ // 2], got  # block norm and final norm: half the tokens each
+    assert got["logits_seq"] == SEQ  # the head gathers the sequence back

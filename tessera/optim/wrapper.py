@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tessera.errors import PlanError
+from tessera.parallel.tensor import align_grad_placements
 from tessera.precision import DynamicLossScaler
 
 
@@ -91,6 +92,7 @@ class BoostedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if closure is not None:
             raise NotImplementedError("Tessera optimizers do not take a closure: compute the loss before step().")
+        align_grad_placements(self.model_params)
         if self.scaler is not None:
             overflow = self.scaler.unscale_(self.model_params)
             self.scaler.update()

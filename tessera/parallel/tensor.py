@@ -7,20 +7,24 @@ no change: it reshapes to ``(-1, head_dim)`` and so sees n_heads / tp local head
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fnmatch import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tessera.models.policies import policy_for
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` as its family's policy says."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` as its family's policy says; with
+    ``sequence_parallel`` the norms also run on sequence shards (Megatron split/gather)."""
     policy = policy_for(model)
     policy.check_tp(model, tp_mesh.size())
-    parallelize_module(model, tp_mesh, policy.tp_plan(model))
+    parallelize_module(model, tp_mesh, policy.tensor_plan(model, sequence_parallel))
     return model
 
 
@@ -32,3 +36,18 @@ def apply_tensor_parallel_to_stage(stage: nn.Module, model: nn.Module, tp_mesh: 
     }
     parallelize_module(stage, tp_mesh, plan)
     return stage
+
+
+@torch.no_grad()
+def align_grad_placements(params: Iterable[nn.Parameter]) -> None:
+    """Lay each DTensor gradient out like its parameter, in place.
+
+    Backward can leave a gradient in another layout than its parameter: a sequence-parallel
+    norm's weight gradient is Partial (each rank's sum over its own tokens, not yet added up)
+    and a vocabulary-parallel embedding's arrives Replicate. The norm, the clip and the optimizer
+    need the parameter's layout; this is a no-op when the layouts already agree.
+    """
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)

@@ -83,7 +83,8 @@ class PlanConfig(_Section):
     preset: Literal["ddp", "zero"] = "zero"
     zero: int = Field(2, ge=0, le=3)
     tp: int = Field(1, gt=0, description="tensor-parallel degree (composes with dp under any ZeRO stage)")
-    sp: int = Field(1, gt=0, description="Ulysses sequence-parallel degree (all-to-all attention)")
+    sp: int = Field(1, gt=0, description="sequence-parallel degree: Ulysses ranks, or tp for split_gather")
+    sp_mode: Literal["all_to_all", "split_gather"] = "all_to_all"
     pp: int = Field(1, gt=0, description="pipeline-parallel degree (stages run by torch's schedules)")
     microbatches: int = Field(1, gt=0, description="micro-batches per step: pipelined, or accumulated when pp=1")
     schedule: Literal[
@@ -238,7 +239,7 @@ def plan_from_config(cfg: PlanConfig) -> Any:
         return Plan(
             tp=cfg.tp,
             sp=cfg.sp,
-            sp_mode="all_to_all",
+            sp_mode=cfg.sp_mode,
             pp=cfg.pp,
             pipeline=pipeline,
             zero=zero,

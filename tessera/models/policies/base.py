@@ -40,6 +40,18 @@ class Policy:
     tied_embeddings: Callable[[nn.Module], bool]
     ulysses: Callable[[nn.Module, object], None] | None = None  # route attention through Ulysses all-to-all
     pipeline: PipelineLayout | None = None
+    sequence_parallel_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None
+
+    def tensor_plan(self, model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+        """The ``parallelize_module`` plan: plain tensor parallelism, or with split/gather sequence parallelism."""
+        if not sequence_parallel:
+            return self.tp_plan(model)
+        if self.sequence_parallel_plan is None:
+            raise PlanError(
+                f"split/gather sequence parallelism (Plan.sp_mode='split_gather') has no plan for {self.name} yet: "
+                "use Plan.sp=1, or sp_mode='all_to_all'."
+            )
+        return self.sequence_parallel_plan(model)
 
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         """The pipeline layout, after refusing models it cannot cut (tied embeddings, ...)."""

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from tessera.errors import PlanError
 from tessera.models.policies.base import PipelineLayout, Policy
@@ -40,6 +46,33 @@ def _check_full_attention(model: nn.Module) -> None:
         )
 
 
+def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Megatron split/gather. The residual stream stays a DTensor sharded on the sequence
+    (``use_local_output=False``), so the model sees the full sequence length and builds positions
+    and rotary tables for all of it; attention and the MLP all-gather their input."""
+    layers = "model.layers.*"
+    return {
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        f"{layers}.input_layernorm": SequenceParallel(),
+        f"{layers}.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        f"{layers}.self_attn.q_proj": ColwiseParallel(),
+        f"{layers}.self_attn.k_proj": ColwiseParallel(),
+        f"{layers}.self_attn.v_proj": ColwiseParallel(),
+        f"{layers}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"{layers}.post_attention_layernorm": SequenceParallel(),
+        f"{layers}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        f"{layers}.mlp.gate_proj": ColwiseParallel(),
+        f"{layers}.mlp.up_proj": ColwiseParallel(),
+        f"{layers}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
 def _ulysses(model: nn.Module, group: object) -> None:
     from tessera.parallel.sequence import enable_hf_ulysses
 
@@ -68,6 +101,7 @@ HF_LLAMA = Policy(
     },
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", False)),
     ulysses=_ulysses,
+    sequence_parallel_plan=_sequence_parallel_plan,
     pipeline=PipelineLayout(
         layers="model.layers",
         first=("model.embed_tokens",),

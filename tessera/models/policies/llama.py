@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from tessera.models.policies.base import PipelineLayout, Policy
 
@@ -33,6 +39,28 @@ def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return stage.output(stage.norm(h)) if hasattr(stage, "output") else h
 
 
+def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Megatron split/gather: the residual stream is a local sequence shard (batch, seq/tp, dim);
+    attention and the MLP all-gather it on entry, their row-parallel outputs reduce-scatter back."""
+    gather = PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": gather,
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
 LLAMA = Policy(
     name="tessera Llama",
     matches=_is_llama,
@@ -55,6 +83,7 @@ LLAMA = Policy(
     },
     tied_embeddings=lambda m: m.config.tie_embeddings,
     ulysses=_ulysses,
+    sequence_parallel_plan=_sequence_parallel_plan,
     pipeline=PipelineLayout(
         layers="layers",
         first=("tok_embeddings",),
