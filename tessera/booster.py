@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import Dataset
 
 from tessera import distributed
@@ -93,7 +94,9 @@ class Booster:
                 if not self.plan.offload:
                     model.to(self.device)
                 split_gather = self.plan.sp > 1 and self.plan.sp_mode == "split_gather"
-                apply_tensor_parallel(model, self.mesh["tp"], sequence_parallel=split_gather)
+                apply_tensor_parallel(
+                    model, self.mesh["tp"], sequence_parallel=split_gather, loss_parallel=self.plan.loss_parallel
+                )
             if self.plan.ulysses_size > 1:
                 policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
             apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
@@ -122,7 +125,7 @@ class Booster:
         for _, stage in stages:
             stage.to(self.device)
             if self.plan.tp > 1:
-                apply_tensor_parallel_to_stage(stage, model, self.mesh["tp"])
+                apply_tensor_parallel_to_stage(stage, model, self.mesh["tp"], loss_parallel=self.plan.loss_parallel)
             apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
             data_parallel.apply_data_parallel(stage, self.plan, self.grad_mesh, self.device)
         n_stages = len(self.plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), self.plan.pp))
@@ -162,7 +165,20 @@ class Booster:
             loss = loss * self.loss_weight
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss)
-        loss.backward()
+        with self.loss_parallel():
+            loss.backward()
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager[None]:
+        """Compute the loss inside this context: with ``Plan.loss_parallel`` the logits are a DTensor
+        split over the vocabulary and cross-entropy runs on the shards (torch's ``loss_parallel``);
+        otherwise it does nothing, so the same loop serves every Plan.
+
+        Example:
+            >>> with booster.loss_parallel():
+            ...     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            >>> booster.backward(loss, optimizer)
+        """
+        return loss_parallel() if self.plan.loss_parallel else contextlib.nullcontext()
 
     def execute_pipeline(
         self,
@@ -189,7 +205,8 @@ class Booster:
         if self._pipeline is None:
             return self._accumulate(inputs, target, model, loss_fn)
         factor = self.loss_weight * (self.scaler.scale if self.scaler is not None else 1.0)
-        loss = self._pipeline.step(inputs, target, loss_fn, factor)
+        with self.loss_parallel():
+            loss = self._pipeline.step(inputs, target, loss_fn, factor)
         if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
             average_gradients(list(model.parameters()), self.grad_mesh.get_group())
         return loss
@@ -207,9 +224,10 @@ class Booster:
         total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), target.chunk(n))):
             with self.no_sync(model) if i < n - 1 else contextlib.nullcontext():
-                loss = loss_fn(model(x), y)
+                with self.loss_parallel():
+                    loss = loss_fn(model(x), y)
                 self.backward(loss / n)
-            total += loss.detach().float()
+            total += distributed.local(loss.detach()).float()
         return total / n
 
     def clip_grad_norm(
@@ -230,7 +248,7 @@ class Booster:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the whole global batch (every rank gets the same value)."""
-        value = loss.detach().float() * self.loss_weight / self.grad_mesh.size()
+        value = distributed.local(loss.detach()).float() * self.loss_weight / self.grad_mesh.size()
         dist.all_reduce(value, group=self.grad_mesh.get_group())
         return value
 

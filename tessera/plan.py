@@ -191,6 +191,9 @@ class Plan:
             from every global batch, e.g. ``(3, 1)``; ``None`` means equal.
         pipeline: stage layer ranges, micro-batch count and schedule.
         recompute: activation recompute, ``"none"``, ``"selective"`` or ``"full"``.
+        loss_parallel: with tp, keep the logits split over the vocabulary (a DTensor) and compute
+            the cross-entropy on the shards under ``booster.loss_parallel()``: full logits are
+            never gathered.
         device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda"``.
         rank_devices: optional device label per global rank (heterogeneous clusters).
     """
@@ -206,6 +209,7 @@ class Plan:
     dp_shares: tuple[int, ...] | None = None
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     recompute: str = "none"
+    loss_parallel: bool = False
     device: str = "auto"
     rank_devices: tuple[str, ...] | None = None
 
@@ -222,6 +226,12 @@ class Plan:
             raise PlanError(f"Plan.zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}.")
         if not isinstance(self.offload, bool):
             raise PlanError(f"Plan.offload must be true or false, got {self.offload!r}.")
+        if not isinstance(self.loss_parallel, bool):
+            raise PlanError(f"Plan.loss_parallel must be true or false, got {self.loss_parallel!r}.")
+        if self.loss_parallel and self.tp == 1:
+            raise PlanError(
+                "Plan.loss_parallel=True splits the logits over tensor-parallel ranks: it needs Plan.tp > 1."
+            )
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("sp_mode", self.sp_mode, SP_MODES)
         _check_choice("recompute", self.recompute, RECOMPUTE)

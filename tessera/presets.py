@@ -47,6 +47,8 @@ def Hybrid(
     schedule: str = "1f1b",
     stages: Sequence[tuple[int, int]] | None = None,
     dp_shares: Sequence[int] | None = None,
+    loss_parallel: bool = False,
+    recompute: str = "none",
     device: str = "auto",
 ) -> Plan:
     """Several parallel dimensions at once: dp × tp × pp (or × Ulysses sp), ZeRO over dp.
@@ -79,5 +81,7 @@ def Hybrid(
         precision=precision,
         dp_shares=_shares(dp_shares),
         pipeline=pipeline,
+        loss_parallel=loss_parallel,
+        recompute=recompute,
         device=device,
     )

@@ -122,7 +122,8 @@ def tessera_run(
         if booster.plan.pp > 1:
             loss = booster.execute_pipeline(batch, model, loss_fn, opt)
         else:
-            loss = loss_fn(model(batch["x"]), batch["y"])
+            with booster.loss_parallel():
+                loss = loss_fn(model(batch["x"]), batch["y"])
             booster.backward(loss, opt)
         if step == 0:
             grads = full_grads(booster, model)

@@ -148,3 +148,25 @@ def test_shipped_example_configs_validate() -> None:
     assert len(examples) >= 3
     for path in examples:
         load_config(path)
+
+
+def test_every_plan_field_of_the_config_reaches_the_plan() -> None:
+    """plan_from_config once dropped plan.sp silently; every field must arrive."""
+    from tessera.train.config import parse_config, plan_from_config
+
+    section = {
+        "tp": 2,
+        "sp": 2,
+        "sp_mode": "split_gather",
+        "loss_parallel": True,
+        "pp": 2,
+        "microbatches": 4,
+        "schedule": "gpipe",
+        "stages": [[0, 1], [1, 2]],
+        "recompute": "full",
+    }
+    plan = plan_from_config(parse_config({"plan": section}).plan)
+    got = {k: getattr(plan, k) for k in ("tp", "sp", "sp_mode", "loss_parallel", "pp", "recompute")}
+    assert got == {k: section[k] for k in got}
+    assert plan.pipeline.microbatches == 4 and plan.pipeline.schedule == "gpipe"
+    assert plan.pipeline.stages == ((0, 1), (1, 2))

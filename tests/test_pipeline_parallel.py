@@ -69,6 +69,7 @@ def test_pipeline_composes_with_tp_and_zero_for_every_model() -> None:
     for zero in (0, 2, 3):
         cases.append((f"dp2xpp2 zero{zero} interleaved", pp_plan(2, "interleaved_1f1b", 2, zero=zero), "llama:4", None))
     cases.append(("tp2xpp2 clipped", pp_plan(2, "1f1b", 2, tp=2), "llama:4", 0.05))
+    cases.append(("tp2xpp2 loss_parallel", pp_plan(2, "1f1b", 2, tp=2, loss_parallel=True), "llama:4", None))
     check_cases(4, cases)
 
 

@@ -95,9 +95,33 @@ TP2 = tessera.Hybrid(tp=2).to_dict()
 KINDS = ("llama", "hf_llama", "hf_qwen2")
 
 
+LOSS_PARALLEL = tessera.Hybrid(tp=2, loss_parallel=True)
+
+
 def test_tp2_training_equals_single_process() -> None:
-    """Acceptance 6, tp2, for the reference Llama and each Hugging Face family with a policy."""
-    check_cases(2, [(f"{kind} tp2", TP2, kind, None) for kind in KINDS], GLOBAL_BATCH_DEFAULT, 3)
+    """Acceptance 6, tp2, for the reference Llama and each Hugging Face family with a policy; also
+    with the cross-entropy computed on vocabulary shards (Plan.loss_parallel)."""
+    cases = [(f"{kind} tp2", TP2, kind, None) for kind in KINDS]
+    cases += [(f"{kind} tp2 loss_parallel", LOSS_PARALLEL.to_dict(), kind, None) for kind in KINDS]
+    check_cases(2, cases, GLOBAL_BATCH_DEFAULT, 3)
+
+
+def logits_layout_worker(kind: str) -> str:
+    from parity import SEQ
+
+    booster = tessera.Booster(LOSS_PARALLEL)
+    model, _ = booster.boost(build_model(kind))
+    output = model(torch.zeros(2, SEQ, dtype=torch.long))
+    logits = getattr(output, "logits", output)
+    return f"{type(logits).__name__} {logits.placements} local {tuple(logits.to_local().shape)}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
+def test_loss_parallel_never_gathers_the_logits(kind: str) -> None:
+    from parity import SEQ, VOCAB
+
+    got = run_ranks(logits_layout_worker, 2, kind)[0]
+    assert got == f"DTensor (Shard(dim=2),) local (2, {SEQ}, {VOCAB // 2})", got
 
 
 def test_dp2_tp2_with_every_zero_stage_equals_single_process() -> None:

@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.models.policies.base import PipelineLayout
 from tessera.plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineSpec
@@ -184,7 +185,7 @@ class PipelineRunner:
         self.schedule.step(*args, target=target if self.holds_last else None, losses=losses)
         device = inputs.device
         if self.holds_last:
-            loss = torch.stack([x.detach().float() for x in losses]).sum() / factor
+            loss = torch.stack([local(x.detach()).float() for x in losses]).sum() / factor
         else:
             loss = torch.zeros((), device=device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)

@@ -19,21 +19,25 @@ from torch.distributed.tensor.parallel import parallelize_module
 from tessera.models.policies import policy_for
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` as its family's policy says; with
-    ``sequence_parallel`` the norms also run on sequence shards (Megatron split/gather)."""
+    ``sequence_parallel`` the norms also run on sequence shards (Megatron split/gather), with
+    ``loss_parallel`` the logits stay split over the vocabulary."""
     policy = policy_for(model)
     policy.check_tp(model, tp_mesh.size())
-    parallelize_module(model, tp_mesh, policy.tensor_plan(model, sequence_parallel))
+    parallelize_module(model, tp_mesh, policy.tensor_plan(model, sequence_parallel, loss_parallel))
     return model
 
 
-def apply_tensor_parallel_to_stage(stage: nn.Module, model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tensor_parallel_to_stage(
+    stage: nn.Module, model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = False
+) -> nn.Module:
     """Shard one pipeline stage of ``model``: the policy's styles for the modules the stage holds."""
     names = [name for name, _ in stage.named_modules()]
-    plan = {
-        key: style for key, style in policy_for(model).tp_plan(model).items() if any(fnmatch(n, key) for n in names)
-    }
+    styles = policy_for(model).tensor_plan(model, loss_parallel=loss_parallel)
+    plan = {key: style for key, style in styles.items() if any(fnmatch(n, key) for n in names)}
     parallelize_module(stage, tp_mesh, plan)
     return stage
 

@@ -85,6 +85,7 @@ class PlanConfig(_Section):
     tp: int = Field(1, gt=0, description="tensor-parallel degree (composes with dp under any ZeRO stage)")
     sp: int = Field(1, gt=0, description="sequence-parallel degree: Ulysses ranks, or tp for split_gather")
     sp_mode: Literal["all_to_all", "split_gather"] = "all_to_all"
+    loss_parallel: bool = Field(False, description="with tp: cross-entropy on vocabulary shards, logits never gathered")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree (stages run by torch's schedules)")
     microbatches: int = Field(1, gt=0, description="micro-batches per step: pipelined, or accumulated when pp=1")
     schedule: Literal[
@@ -240,6 +241,7 @@ def plan_from_config(cfg: PlanConfig) -> Any:
             tp=cfg.tp,
             sp=cfg.sp,
             sp_mode=cfg.sp_mode,
+            loss_parallel=cfg.loss_parallel,
             pp=cfg.pp,
             pipeline=pipeline,
             zero=zero,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import tessera
 from tessera import faults
@@ -147,7 +148,10 @@ def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: 
     model.eval()
     try:
         for _ in range(n_bytes):
-            logits = logits_of(model(tokens[:, -seq_len:]))[:, -1].float()
+            logits = logits_of(model(tokens[:, -seq_len:]))
+            if isinstance(logits, DTensor):  # Plan.loss_parallel: split over the vocabulary
+                logits = logits.full_tensor()
+            logits = logits[:, -1].float()
             probs = torch.softmax(logits / 0.8, dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=g)], dim=1)
     finally:

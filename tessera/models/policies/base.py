@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from tessera.errors import PlanError
 
@@ -38,20 +39,31 @@ class Policy:
     sizes: Callable[[nn.Module], dict[str, int]]  # sizes that tp must divide, by config name
     tp_plan: Callable[[nn.Module], dict[str, ParallelStyle]]  # module path (fnmatch-style) -> style
     tied_embeddings: Callable[[nn.Module], bool]
+    head: str  # module path of the output projection (its layout decides whether logits are gathered)
     ulysses: Callable[[nn.Module, object], None] | None = None  # route attention through Ulysses all-to-all
     pipeline: PipelineLayout | None = None
     sequence_parallel_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None
 
-    def tensor_plan(self, model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-        """The ``parallelize_module`` plan: plain tensor parallelism, or with split/gather sequence parallelism."""
+    def tensor_plan(
+        self, model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
+    ) -> dict[str, ParallelStyle]:
+        """The ``parallelize_module`` plan: plain tensor parallelism or with split/gather sequence
+        parallelism; with ``loss_parallel`` the head keeps its output split over the vocabulary."""
         if not sequence_parallel:
-            return self.tp_plan(model)
-        if self.sequence_parallel_plan is None:
+            plan = self.tp_plan(model)
+        elif self.sequence_parallel_plan is None:
             raise PlanError(
                 f"split/gather sequence parallelism (Plan.sp_mode='split_gather') has no plan for {self.name} yet: "
                 "use Plan.sp=1, or sp_mode='all_to_all'."
             )
-        return self.sequence_parallel_plan(model)
+        else:
+            plan = self.sequence_parallel_plan(model)
+        if loss_parallel:
+            gathered = plan[self.head]
+            plan[self.head] = ColwiseParallel(
+                input_layouts=gathered.input_layouts[0], output_layouts=Shard(-1), use_local_output=False
+            )
+        return plan
 
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
         """The pipeline layout, after refusing models it cannot cut (tied embeddings, ...)."""

@@ -99,6 +99,7 @@ HF_LLAMA = Policy(
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     },
+    head="lm_head",
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", False)),
     ulysses=_ulysses,
     sequence_parallel_plan=_sequence_parallel_plan,

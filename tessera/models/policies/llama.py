@@ -81,6 +81,7 @@ LLAMA = Policy(
         "layers.*.feed_forward.w2": RowwiseParallel(),
         "output": ColwiseParallel(output_layouts=Replicate()),
     },
+    head="output",
     tied_embeddings=lambda m: m.config.tie_embeddings,
     ulysses=_ulysses,
     sequence_parallel_plan=_sequence_parallel_plan,
