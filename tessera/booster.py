@@ -33,7 +33,14 @@ from tessera.models.policies import policy_for
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data as data_parallel
 from tessera.parallel.grad_norm import clip_grads_
-from tessera.parallel.pipeline import PipelineModel, PipelineRunner, average_gradients, split_model
+from tessera.parallel.pipeline import (
+    PipelineModel,
+    PipelineRunner,
+    TiedWeights,
+    average_gradients,
+    split_model,
+    tied_names,
+)
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel, apply_tensor_parallel_to_stage
 from tessera.parallel.zero1 import ShardedOptimizer
@@ -68,6 +75,7 @@ class Booster:
         self.scaler = DynamicLossScaler() if self.plan.precision == "fp16" else None
         self._model: nn.Module | None = None
         self._pipeline: PipelineRunner | None = None
+        self._tied: TiedWeights | None = None
 
     # ------------------------------------------------------------------ boost
     def boost(
@@ -78,7 +86,9 @@ class Booster:
             raise PlanError(f"boost() needs a torch.nn.Module, got {type(model).__name__}.")
         if self._model is not None:
             raise PlanError("this Booster already boosted a model: make one Booster per model.")
-        names = {id(p): n for n, p in model.named_parameters()}
+        names: dict[int, list[str]] = {}  # every name of each parameter (tied weights have several)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
         if optimizer is not None:
             foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
             if foreign:
@@ -106,7 +116,7 @@ class Booster:
             return wrapped, None
         current = dict(data_parallel.unwrap(wrapped).named_parameters())
         # Under pipeline parallelism a rank keeps only its stages' parameters.
-        groups = rebuild_optimizer(optimizer, lambda p: current.get(names[id(p)]))
+        groups = rebuild_optimizer(optimizer, lambda p: next((current[n] for n in names[id(p)] if n in current), None))
         build = optimizer_factory(optimizer)
         if self.plan.zero == 1:
             inner = ShardedOptimizer(groups, build, self.grad_mesh.get_group(), offload=self.plan.offload)
@@ -121,6 +131,7 @@ class Booster:
         if self.plan.tp > 1:
             policy.check_tp(model, self.plan.tp)
         pp_mesh = self.mesh["pp"]
+        tied = tied_names(model)
         stages = split_model(model, layout, self.plan.pipeline, self.plan.pp, pp_mesh.get_local_rank())
         for _, stage in stages:
             stage.to(self.device)
@@ -128,8 +139,10 @@ class Booster:
                 apply_tensor_parallel_to_stage(stage, model, self.mesh["tp"], loss_parallel=self.plan.loss_parallel)
             apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
             data_parallel.apply_data_parallel(stage, self.plan, self.grad_mesh, self.device)
-        n_stages = len(self.plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), self.plan.pp))
+        n_layers = len(model.get_submodule(layout.layers))
+        n_stages = len(self.plan.pipeline.stage_ranges(n_layers, self.plan.pp))
         pipeline_model = PipelineModel(stages)
+        self._tied = TiedWeights(tied, pipeline_model, layout, self.plan.pipeline, n_layers, self.mesh)
         self._pipeline = PipelineRunner(pipeline_model, self.plan.pipeline, n_stages, pp_mesh.get_group(), self.device)
         return pipeline_model
 
@@ -207,6 +220,8 @@ class Booster:
         factor = self.loss_weight * (self.scaler.scale if self.scaler is not None else 1.0)
         with self.loss_parallel():
             loss = self._pipeline.step(inputs, target, loss_fn, factor)
+        assert self._tied is not None
+        self._tied.sync()
         if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
             average_gradients(list(model.parameters()), self.grad_mesh.get_group())
         return loss
@@ -238,9 +253,11 @@ class Booster:
         align_grad_placements(params)
         if self.scaler is not None and self.scaler.unscale_(params):
             return torch.tensor(float("inf"))  # overflow: the step will be skipped anyway
-        # Pipeline stages hold disjoint parameters: their partial norms add up over the pp group.
+        # Pipeline stages hold disjoint parameters: their partial norms add up over the pp group
+        # (a tied weight's copies are counted on one rank only).
         across = (self.mesh.get_group("pp"),) if self.plan.pp > 1 else ()
-        return clip_grads_(params, max_norm, norm_type, across=across)
+        uncounted = self._tied.uncounted if self._tied is not None else set()
+        return clip_grads_(params, max_norm, norm_type, across=across, uncounted=uncounted)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (gradient accumulation); sync on the next backward outside it."""

@@ -89,7 +89,7 @@ def reference_run(kind: str, global_batch: int, steps: int, lr: float = 1e-3, ma
         loss = loss_fn(model(x), y)
         loss.backward()
         if not grads:  # the first step's gradients, before clipping
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         # max_norm=inf records the global norm without clipping: Adam hides a uniformly
         # mis-scaled gradient, the norm does not.
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))))
@@ -144,7 +144,7 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
     from tessera.parallel.data import unwrap
 
     out = {}
-    for name, p in unwrap(model).named_parameters():
+    for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied weights under every name
         g = p.grad
         out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
     if booster.plan.pp > 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import parity
 import pytest
 import torch
+from torch import nn
 
 import tessera
 from tessera.errors import PlanError
@@ -66,6 +67,8 @@ def test_pipeline_composes_with_tp_and_zero_for_every_model() -> None:
     for kind in ("llama:4", "hf_llama:4", "hf_qwen2:4"):
         cases.append((f"{kind} tp2xpp2", pp_plan(2, "1f1b", 2, tp=2), kind, None))
         cases.append((f"{kind} dp2xpp2 zero1", pp_plan(2, "1f1b", 2, zero=1), kind, None))
+    cases.append(("gpt2:4 dp2xpp2 zero1", pp_plan(2, "1f1b", 2, zero=1), "gpt2:4", None))
+    cases.append(("llama_tied:4 dp2xpp2 zero3 clipped", pp_plan(2, "1f1b", 2, zero=3), "llama_tied:4", 0.05))
     for zero in (0, 2, 3):
         cases.append((f"dp2xpp2 zero{zero} interleaved", pp_plan(2, "interleaved_1f1b", 2, zero=zero), "llama:4", None))
     cases.append(("tp2xpp2 clipped", pp_plan(2, "1f1b", 2, tp=2), "llama:4", 0.05))
@@ -73,11 +76,15 @@ def test_pipeline_composes_with_tp_and_zero_for_every_model() -> None:
     check_cases(4, cases)
 
 
-def test_pipeline_on_hugging_face_models_pp2() -> None:
-    """Acceptance 6, pp2 on each Hugging Face family with a policy."""
+def test_pipeline_on_hugging_face_and_tied_models_pp2() -> None:
+    """Acceptance 6, pp2 on each Hugging Face family with a policy. GPT-2 and the tied Llama share
+    the embedding with the head: the first and last stages hold copies whose gradients are summed
+    (looped schedules) or meet on one rank (V schedules)."""
     cases = [
-        (f"{kind} pp2", pp_plan(2, "1f1b", 4, [[0, 3], [3, 4]]), kind, None) for kind in ("hf_llama:4", "hf_qwen2:4")
+        (f"{kind} pp2", pp_plan(2, "1f1b", 4, [[0, 3], [3, 4]]), kind, None)
+        for kind in ("hf_llama:4", "hf_qwen2:4", "gpt2:4", "llama_tied:4")
     ]
+    cases += [(f"{kind} pp2 zbv", pp_plan(2, "zbv_zero_bubble", 4), kind, None) for kind in ("gpt2:4", "llama_tied:4")]
     check_cases(2, cases)
 
 
@@ -157,8 +164,12 @@ def refusals_worker() -> dict:
 
     plan = tessera.Hybrid(pp=2, microbatches=2, schedule="gpipe")
     out = {
-        "gpt2": error(lambda: tessera.Booster(plan).boost(build_model("gpt2"))),
-        "tied": error(lambda: tessera.Booster(plan).boost(build_model("llama_tied"))),
+        "no policy": error(lambda: tessera.Booster(plan).boost(nn.Sequential(nn.Linear(2, 2)))),
+        "tie split": error(
+            lambda: tessera.Booster(tessera.Hybrid(pp=2, zero=3, microbatches=4, schedule="zbv_zero_bubble")).boost(
+                build_model("llama_tied:4")
+            )
+        ),
     }
     booster = tessera.Booster(plan)
     model = build_model("llama")
@@ -172,8 +183,8 @@ def refusals_worker() -> dict:
 
 def test_models_and_batches_the_pipeline_cannot_take_get_clear_errors() -> None:
     got = run_ranks(refusals_worker, 2)[0]
-    assert "no policy for GPT2LMHeadModel" in got["gpt2"] and "Plan.pp=1" in got["gpt2"]
-    assert "tied input/output embeddings" in got["tied"]
+    assert "no policy for Sequential" in got["no policy"] and "Plan.pp=1" in got["no policy"]
+    assert "would drift apart" in got["tie split"] and "ZeRO-0/1" in got["tie split"]
     assert "execute_pipeline" in got["call"]
     assert "'y'/'labels'" in got["batch"] and "tokens" in got["batch"]
     assert "3 samples" in got["odd"] and "microbatches=2" in got["odd"]

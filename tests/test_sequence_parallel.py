@@ -81,13 +81,13 @@ SPLIT_GATHER = tessera.Hybrid(tp=2, sp="split_gather")
 def test_sp2_training_equals_single_process() -> None:
     """Acceptance 6: sp all_to_all, and sp split_gather with tp2, for the reference Llama and each
     Hugging Face family with a policy."""
-    cases = [(f"{kind} sp2", sp_plan(), kind, None) for kind in KINDS]
+    cases = [(f"{kind} sp2", sp_plan(), kind, None) for kind in (*KINDS, "gpt2")]
     cases += [(f"{kind} tp2 split_gather", SPLIT_GATHER.to_dict(), kind, None) for kind in KINDS]
     check_cases(2, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
 def test_ulysses_with_dp_and_zero_equals_single_process() -> None:
-    cases = [(f"{kind} dp2xsp2 zero3", sp_plan(zero=3), kind, None) for kind in KINDS]
+    cases = [(f"{kind} dp2xsp2 zero3", sp_plan(zero=3), kind, None) for kind in (*KINDS, "gpt2")]
     cases += [
         (
             f"{kind} dp2x(tp2 split_gather) zero{z}",

@@ -8,7 +8,7 @@ ranks that hold them exactly once; replicated parts are counted once locally.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,17 @@ def _partial(t: torch.Tensor, inf_norm: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def global_grad_norm(
-    params: Iterable[torch.nn.Parameter], norm_type: float = 2.0, across: Sequence[dist.ProcessGroup] = ()
+    params: Iterable[torch.nn.Parameter],
+    norm_type: float = 2.0,
+    across: Sequence[dist.ProcessGroup] = (),
+    uncounted: Collection[int] = (),
 ) -> torch.Tensor:
     """The norm of all gradients as if the model were on one device (every rank gets it).
 
     ``across``: groups whose ranks hold disjoint parameters (pipeline stages); the local
-    totals are combined over them once, after the sharded parts are complete."""
-    grads = [p.grad for p in params if p.grad is not None]
+    totals are combined over them once, after the sharded parts are complete. ``uncounted``:
+    ids of parameters whose gradient another rank counts (a tied weight's second copy)."""
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in uncounted]
     inf_norm = math.isinf(norm_type)
     if not inf_norm and norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
@@ -74,6 +78,7 @@ def clip_grads_(
     max_norm: float,
     norm_type: float = 2.0,
     across: Sequence[dist.ProcessGroup] = (),
+    uncounted: Collection[int] = (),
 ) -> torch.Tensor:
     """Clip gradients in place to ``max_norm`` of the global norm; return that norm.
 
@@ -81,7 +86,7 @@ def clip_grads_(
     ``max_norm / (norm + 1e-6)`` when that is below one.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type, across)
+    total = global_grad_norm(params, norm_type, across, uncounted)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:

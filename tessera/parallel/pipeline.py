@@ -10,11 +10,13 @@ and V schedules). The schedules themselves are ``torch.distributed.pipelining``'
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
@@ -104,6 +106,76 @@ def split_model(
         for i, owner in stage_owners(pp, len(ranges), spec.schedule).items()
         if owner == pp_rank
     ]
+
+
+def _stage_of(name: str, layout: PipelineLayout, ranges: tuple[tuple[int, int], ...]) -> int | None:
+    """The stage that holds parameter ``name`` (None: a module every stage holds)."""
+    if any(name.startswith(m + ".") for m in layout.first):
+        return 0
+    if any(name.startswith(m + ".") for m in layout.last):
+        return len(ranges) - 1
+    prefix = layout.layers + "."
+    if name.startswith(prefix):
+        layer = int(name[len(prefix) :].split(".")[0])
+        return next(i for i, (first, end) in enumerate(ranges) if first <= layer < end)
+    return None
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that has several (tied weights). Read before any wrapping:
+    tensor parallelism and FSDP replace parameters per module, which hides the sharing."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+class TiedWeights:
+    """Parameters shared by stages on different ranks (tied input/output embeddings).
+
+    Each rank holding a stage keeps its own copy; after every step their gradients are summed
+    over the ranks that hold one (the true gradient of a shared weight is the sum of its uses),
+    so the copies stay equal. Only the first holder counts the gradient in the global norm.
+    """
+
+    def __init__(
+        self,
+        tied: list[list[str]],
+        local: nn.Module,
+        layout: PipelineLayout,
+        spec: PipelineSpec,
+        n_layers: int,
+        mesh: DeviceMesh,
+    ) -> None:
+        ranges = spec.stage_ranges(n_layers, mesh.size(0))
+        owners = stage_owners(mesh.size(0), len(ranges), spec.schedule)
+        held = dict(local.named_parameters())
+        grid = mesh.mesh  # global ranks, pp first
+        self.synced: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
+        self.uncounted: set[int] = set()  # ids of copies another rank counts in the norm
+        for names in tied:
+            holders = sorted({owners[s] for n in names if (s := _stage_of(n, layout, ranges)) is not None})
+            if len(holders) < 2:  # one rank holds every use (V schedules): gradients meet locally ...
+                if len({id(held[n]) for n in names if n in held}) > 1:  # ... unless wrapping split the tie
+                    raise PlanError(
+                        f"tied parameters {names} sit on one rank under schedule {spec.schedule!r}, and sharding "
+                        "them (ZeRO-2/3) made two copies that would drift apart: use ZeRO-0/1 or a looped schedule."
+                    )
+                continue
+            for coord in itertools.product(*(range(k) for k in grid.shape[1:])):
+                ranks = [int(grid[(r, *coord)]) for r in holders]
+                group = dist.new_group(ranks)  # every rank creates every group, in the same order
+                if dist.get_rank() in ranks:
+                    param = next(held[n] for n in names if n in held)
+                    self.synced.append((param, group))
+                    if dist.get_rank() != ranks[0]:
+                        self.uncounted.add(id(param))
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for param, group in self.synced:
+            if param.grad is not None:
+                dist.all_reduce(local(param.grad), group=group)
 
 
 class PipelineModel(nn.Module):

@@ -11,10 +11,11 @@ from torch import nn
 
 from tessera.errors import PlanError
 from tessera.models.policies.base import Policy
+from tessera.models.policies.gpt2 import GPT2
 from tessera.models.policies.hf_llama import HF_LLAMA
 from tessera.models.policies.llama import LLAMA
 
-POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA)
+POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA, GPT2)
 
 
 def policy_for(model: nn.Module, feature: str = "tensor parallelism") -> Policy:

@@ -66,14 +66,9 @@ class Policy:
         return plan
 
     def pipeline_layout(self, model: nn.Module) -> PipelineLayout:
-        """The pipeline layout, after refusing models it cannot cut (tied embeddings, ...)."""
+        """The pipeline layout, after refusing models it cannot cut."""
         if self.pipeline is None:
             raise PlanError(f"pipeline parallelism (Plan.pp > 1) has no layout for {self.name} yet: use Plan.pp=1.")
-        if self.tied_embeddings(model):
-            raise PlanError(
-                "Plan.pp > 1: tied input/output embeddings are not supported with pipeline parallelism yet (the "
-                "first and last stages would each hold a copy); untie them or use pp=1."
-            )
         if self.pipeline.check is not None:
             self.pipeline.check(model)
         return self.pipeline
