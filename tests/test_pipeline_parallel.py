@@ -68,6 +68,7 @@ def test_pipeline_composes_with_tp_and_zero_for_every_model() -> None:
         cases.append((f"{kind} tp2xpp2", pp_plan(2, "1f1b", 2, tp=2), kind, None))
         cases.append((f"{kind} dp2xpp2 zero1", pp_plan(2, "1f1b", 2, zero=1), kind, None))
     cases.append(("gpt2:4 dp2xpp2 zero1", pp_plan(2, "1f1b", 2, zero=1), "gpt2:4", None))
+    cases.append(("gpt2:4 tp2xpp2 (tied copies, vocab-sharded)", pp_plan(2, "1f1b", 2, tp=2), "gpt2:4", None))
     cases.append(("llama_tied:4 dp2xpp2 zero3 clipped", pp_plan(2, "1f1b", 2, zero=3), "llama_tied:4", 0.05))
     for zero in (0, 2, 3):
         cases.append((f"dp2xpp2 zero{zero} interleaved", pp_plan(2, "interleaved_1f1b", 2, zero=zero), "llama:4", None))

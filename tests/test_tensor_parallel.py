@@ -101,8 +101,8 @@ LOSS_PARALLEL = tessera.Hybrid(tp=2, loss_parallel=True)
 def test_tp2_training_equals_single_process() -> None:
     """Acceptance 6, tp2, for the reference Llama and each Hugging Face family with a policy; also
     with the cross-entropy computed on vocabulary shards (Plan.loss_parallel)."""
-    cases = [(f"{kind} tp2", TP2, kind, None) for kind in KINDS]
-    cases += [(f"{kind} tp2 loss_parallel", LOSS_PARALLEL.to_dict(), kind, None) for kind in KINDS]
+    cases = [(f"{kind} tp2", TP2, kind, None) for kind in (*KINDS, "gpt2", "llama_tied")]
+    cases += [(f"{kind} tp2 loss_parallel", LOSS_PARALLEL.to_dict(), kind, None) for kind in (*KINDS, "gpt2")]
     check_cases(2, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
@@ -125,7 +125,8 @@ def test_loss_parallel_never_gathers_the_logits(kind: str) -> None:
 
 
 def test_dp2_tp2_with_every_zero_stage_equals_single_process() -> None:
-    """Acceptance 6, dp2×tp2 with DDP and ZeRO-1/2/3 (and uneven shares), on one 4-rank group."""
+    """Acceptance 6, dp2×tp2 with DDP and ZeRO-1/2/3 (and uneven shares), on one 4-rank group.
+    GPT-2 with ZeRO-2/3 over tp is refused (test below)."""
     cases = [
         (f"{kind} dp2xtp2 zero{zero}", tessera.Hybrid(tp=2, zero=zero).to_dict(), kind, None)
         for kind in KINDS
@@ -137,13 +138,16 @@ def test_dp2_tp2_with_every_zero_stage_equals_single_process() -> None:
     cases.append(
         ("llama dp2xtp2 zero1 shares 3:1", tessera.Hybrid(tp=2, zero=1, dp_shares=(3, 1)).to_dict(), "llama", None)
     )
+    cases += [(f"gpt2 dp2xtp2 zero{z}", tessera.Hybrid(tp=2, zero=z).to_dict(), "gpt2", None) for z in (0, 1)]
+    loss_parallel = tessera.Hybrid(tp=2, zero=3, loss_parallel=True).to_dict()
+    cases.append(("hf_llama dp2xtp2 zero3 loss_parallel", loss_parallel, "hf_llama", None))
     check_cases(4, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
-def bad_tp_worker(kind: str, plan_dict: dict) -> str:
+def bad_tp_worker(plan_dict: dict) -> str:
     booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
     try:
-        booster.boost(build_model(kind))
+        booster.boost(nn.Sequential(nn.Linear(4, 4)))
     except tessera.PlanError as exc:
         return str(exc)
     return "no error"
@@ -159,5 +163,14 @@ def test_tp_that_does_not_divide_heads_is_refused() -> None:
 
 
 def test_model_without_a_policy_names_the_policies() -> None:
-    message = run_ranks(bad_tp_worker, 2, "gpt2", tessera.Hybrid(tp=2).to_dict())[0]
-    assert "no policy for GPT2LMHeadModel" in message and "tessera Llama" in message, message
+    message = run_ranks(bad_tp_worker, 2, tessera.Hybrid(tp=2).to_dict())[0]
+    assert "no policy for Sequential" in message and "Hugging Face GPT-2" in message, message
+
+
+def test_gpt2_tp_with_fsdp_is_refused_not_scrambled() -> None:
+    """FSDP2 cannot describe the strided q/k/v bias across dp and tp: a clear error, not bad checkpoints."""
+    from tessera.models.policies import policy_for
+
+    model = build_model("gpt2")
+    with pytest.raises(tessera.NotSupportedYet, match="use ZeRO-1 or DDP with tp"):
+        policy_for(model).check_tp(model, 2, zero=3)

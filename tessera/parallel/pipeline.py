@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
 from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.models.policies.base import PipelineLayout
+from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineSpec
 
 SCHEDULES = {
@@ -173,6 +174,7 @@ class TiedWeights:
 
     @torch.no_grad()
     def sync(self) -> None:
+        align_grad_placements(p for p, _ in self.synced)  # both copies' gradients laid out like the weight
         for param, group in self.synced:
             if param.grad is not None:
                 dist.all_reduce(local(param.grad), group=group)

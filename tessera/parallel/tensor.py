@@ -28,6 +28,8 @@ def apply_tensor_parallel(
     policy = policy_for(model)
     policy.check_tp(model, tp_mesh.size())
     parallelize_module(model, tp_mesh, policy.tensor_plan(model, sequence_parallel, loss_parallel))
+    if policy.after_tp is not None:
+        policy.after_tp(model, tp_mesh.size())
     return model
 
 
@@ -39,6 +41,9 @@ def apply_tensor_parallel_to_stage(
     styles = policy_for(model).tensor_plan(model, loss_parallel=loss_parallel)
     plan = {key: style for key, style in styles.items() if any(fnmatch(n, key) for n in names)}
     parallelize_module(stage, tp_mesh, plan)
+    policy = policy_for(model)
+    if policy.after_tp is not None:
+        policy.after_tp(stage, tp_mesh.size())
     return stage
 
 

@@ -1,29 +1,45 @@
-"""Policy for Hugging Face ``GPT2LMHeadModel``: pipeline stages and Ulysses attention.
+"""Policy for Hugging Face ``GPT2LMHeadModel``: tensor parallelism, pipeline stages, Ulysses attention.
 
-GPT-2 ties its head to the token embedding; under pipeline parallelism the first and last
-stages each hold a copy and ``TiedWeights`` keeps them equal. Tensor parallelism needs the fused
-``c_attn`` (a ``Conv1D`` holding q, k and v side by side) split per block, which is not built
-yet: the tp plan refuses with a clear error.
+GPT-2's projections are ``Conv1D`` layers with the fused q/k/v ``c_attn``: they get
+:class:`~tessera.parallel.conv1d.Conv1DParallel` (strided q/k/v split). GPT-2 ties its head to
+the token embedding: under tp both are sharded over the vocabulary alike and re-tied; under
+pipeline parallelism the first and last stages each hold a copy and ``TiedWeights`` keeps them
+equal.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from tessera.errors import NotSupportedYet
 from tessera.models.policies.base import PipelineLayout, Policy
+from tessera.parallel.conv1d import Conv1DParallel
 
 
 def _is_gpt2(model: nn.Module) -> bool:
     return type(model).__name__ == "GPT2LMHeadModel"
 
 
-def _no_tp_plan(model: nn.Module) -> dict:
-    raise NotSupportedYet(
-        "tensor parallelism for GPT-2 is not supported yet (its fused c_attn Conv1D needs a strided q/k/v "
-        "split): use Plan.tp=1; pipeline, Ulysses sequence parallelism and ZeRO work for GPT-2."
-    )
+def _tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    return {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel embedding
+        "transformer.h.*.attn.c_attn": Conv1DParallel("colwise", blocks=3),
+        "transformer.h.*.attn.c_proj": Conv1DParallel("rowwise"),
+        "transformer.h.*.mlp.c_fc": Conv1DParallel("colwise"),
+        "transformer.h.*.mlp.c_proj": Conv1DParallel("rowwise"),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def _after_tp(module: nn.Module, tp: int) -> None:
+    """Attention splits c_attn's local output into q, k, v of embed_dim / tp each; the head is
+    re-tied to the embedding (both weights are Shard(0) over the vocabulary)."""
+    for block in module.get_submodule("transformer.h").children():
+        block.attn.split_size = module.config.n_embd // tp
+    if module.config.tie_word_embeddings and hasattr(module, "lm_head") and hasattr(module.transformer, "wte"):
+        module.lm_head.weight = module.transformer.wte.weight
 
 
 def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +70,14 @@ def _ulysses(model: nn.Module, group: object) -> None:
 GPT2 = Policy(
     name="Hugging Face GPT-2",
     matches=_is_gpt2,
-    sizes=lambda m: {"n_head": m.config.n_head, "vocab_size": m.config.vocab_size},
-    tp_plan=_no_tp_plan,
+    sizes=lambda m: {
+        "n_head": m.config.n_head,
+        "n_inner": m.config.n_inner or 4 * m.config.n_embd,
+        "vocab_size": m.config.vocab_size,
+    },
+    tp_plan=_tp_plan,
+    after_tp=_after_tp,
+    fsdp_over_tp=False,
     head="lm_head",
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", True)),
     ulysses=_ulysses,

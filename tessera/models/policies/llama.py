@@ -61,6 +61,12 @@ def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     }
 
 
+def _after_tp(module: nn.Module, tp: int) -> None:
+    """Re-tie the output to the embedding: the tp plan gave each its own (equally sharded) copy."""
+    if module.config.tie_embeddings and hasattr(module, "output") and hasattr(module, "tok_embeddings"):
+        module.output.weight = module.tok_embeddings.weight
+
+
 LLAMA = Policy(
     name="tessera Llama",
     matches=_is_llama,
@@ -85,6 +91,7 @@ LLAMA = Policy(
     tied_embeddings=lambda m: m.config.tie_embeddings,
     ulysses=_ulysses,
     sequence_parallel_plan=_sequence_parallel_plan,
+    after_tp=_after_tp,
     pipeline=PipelineLayout(
         layers="layers",
         first=("tok_embeddings",),
