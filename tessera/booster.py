@@ -100,7 +100,7 @@ class Booster:
             wrapped = self._boost_pipeline(model)
         else:
             if self.plan.tp > 1:
-                policy_for(model).check_tp(model, self.plan.tp, self.plan.zero)  # before any group is created
+                policy_for(model).check_tp(model, self.plan.tp)  # before any group is created
                 if not self.plan.offload:
                     model.to(self.device)
                 split_gather = self.plan.sp > 1 and self.plan.sp_mode == "split_gather"
@@ -129,7 +129,7 @@ class Booster:
         policy = policy_for(model, "pipeline parallelism")
         layout = policy.pipeline_layout(model)
         if self.plan.tp > 1:
-            policy.check_tp(model, self.plan.tp, self.plan.zero)
+            policy.check_tp(model, self.plan.tp)
         pp_mesh = self.mesh["pp"]
         tied = tied_names(model)
         stages = split_model(model, layout, self.plan.pipeline, self.plan.pp, pp_mesh.get_local_rank())

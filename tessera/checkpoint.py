@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera import faults
 from tessera.parallel.zero1 import ShardedOptimizer
@@ -75,6 +77,43 @@ def _state_dicts(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"model": get_model_state_dict(model), "optim": optim}
 
 
+def _storable(placements: tuple) -> tuple | None:
+    """Placements DCP can store for a DTensor laid out as ``placements``, or None if it can already.
+
+    DCP stores each rank's shard as one contiguous chunk. A strided split that no later mesh
+    dimension refines (GPT-2's fused q|k|v weight: every rank holds three separate column
+    ranges) is not one chunk, so it is stored gathered along that mesh dimension. FSDP-over-tp's
+    strided split is refined by the tp Shard after it, and DCP stores that fine.
+    """
+    out = list(placements)
+    for i, p in enumerate(placements):
+        if isinstance(p, _StridedShard) and not any(q.is_shard(p.dim) for q in placements[i + 1 :]):
+            out[i] = Replicate()
+    return tuple(out) if out != list(placements) else None
+
+
+def _to_storable(tree: Any) -> Any:
+    """``tree`` with every DTensor DCP cannot store redistributed to placements it can (a copy)."""
+    if isinstance(tree, dict):
+        return {k: _to_storable(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_storable(v) for v in tree]
+    if isinstance(tree, DTensor) and (placements := _storable(tree.placements)) is not None:
+        return tree.redistribute(placements=placements)
+    return tree
+
+
+def _from_storable(loaded: Any, like: Any) -> Any:
+    """``loaded`` with each tensor laid out like its twin in ``like`` (undoes :func:`_to_storable`)."""
+    if isinstance(loaded, dict):
+        return {k: _from_storable(v, like[k]) for k, v in loaded.items()}
+    if isinstance(loaded, list):
+        return [_from_storable(v, w) for v, w in zip(loaded, like)]
+    if isinstance(loaded, DTensor) and isinstance(like, DTensor) and loaded.placements != like.placements:
+        return loaded.redistribute(placements=like.placements)
+    return loaded
+
+
 def _param_names(model: nn.Module) -> dict[int, str]:
     from tessera.parallel.data import unwrap
 
@@ -99,7 +138,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp))
+    dcp.save(_to_storable(_state_dicts(model, optimizer)), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     faults.during_save(step)
     dist.barrier()
@@ -157,8 +196,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
-    state = _state_dicts(model, optimizer)
-    _check_same_model(path, state["model"])
+    layout = _state_dicts(model, optimizer)
+    _check_same_model(path, layout["model"])
+    state = _to_storable(layout)
     try:
         dcp.load(state, checkpoint_id=str(path))
         trainer_state = torch.load(path / "trainer.pt", weights_only=False)
@@ -167,6 +207,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         raise CheckpointError(
             f"checkpoint '{path}' could not be read: it is corrupted or incomplete ({reason})."
         ) from None
+    state = _from_storable(state, layout)
     set_model_state_dict(model, state["model"])
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):

@@ -14,9 +14,11 @@ from tessera.testing import run_ranks
 from tessera.train.config import parse_config
 
 
-def tiny_config(out_dir: Path, steps: int, every: int, plan: dict, stop_at: int | None = None) -> dict:
+def tiny_config(
+    out_dir: Path, steps: int, every: int, plan: dict, stop_at: int | None = None, kind: str = "llama"
+) -> dict:
     return {
-        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
+        "model": {"kind": kind, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
         "data": {"seq_len": 32, "max_bytes": 60_000},
         "optimizer": {"lr": 1e-3},
         "schedule": {"warmup_steps": 2},
@@ -38,9 +40,16 @@ def train_worker(config: dict, fault: str | None = None) -> dict:
 
 
 def train_ranks(
-    world: int, out_dir: Path, steps: int, every: int, plan: dict, fault: str | None = None, stop_at: int | None = None
+    world: int,
+    out_dir: Path,
+    steps: int,
+    every: int,
+    plan: dict,
+    fault: str | None = None,
+    stop_at: int | None = None,
+    kind: str = "llama",
 ) -> dict:
-    return run_ranks(train_worker, world, tiny_config(out_dir, steps, every, plan, stop_at), fault)[0]
+    return run_ranks(train_worker, world, tiny_config(out_dir, steps, every, plan, stop_at, kind), fault)[0]
 
 
 def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -118,8 +127,10 @@ def test_checkpoint_loads_under_every_other_layout(source: str, saved_runs: dict
 
 
 MODEL_PARALLEL = {
-    "pp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
-    "tp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "tp": 2}),
+    "pp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "pp": 2, "microbatches": 2, "schedule": "1f1b"}, "llama"),
+    "tp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "tp": 2}, "llama"),
+    # GPT-2's fused q|k|v weight is a strided tp shard, stored gathered over tp (DCP wants one chunk per rank).
+    "gpt2-tp2xdp2-zero3": (4, {"preset": "zero", "zero": 3, "tp": 2}, "hf_gpt2"),
 }
 
 
@@ -130,18 +141,24 @@ def test_model_parallel_checkpoints_resume_under_ddp_and_back(
     """tessera train under a pipeline or tensor-parallel layout: its step-2 checkpoint continues
     under DDP, and DDP's continues under that layout, each reaching the other's step-3 model
     and optimizer state (ZeRO-1's optimizer state is DTensor-shaped under tp)."""
-    world, plan = MODEL_PARALLEL[layout]
+    world, plan, kind = MODEL_PARALLEL[layout]
+    ddp_world, ddp_plan = LAYOUTS["ddp2"]
     source = tmp_path / layout
-    train_ranks(world, source, steps=3, every=1, plan=plan)
+    train_ranks(world, source, steps=3, every=1, plan=plan, kind=kind)
+    ddp_source = saved_runs["ddp2"]
+    if kind != "llama":
+        ddp_source = tmp_path / "ddp"
+        train_ranks(ddp_world, ddp_source, steps=3, every=1, plan=ddp_plan, kind=kind)
     directions = {
-        f"{layout} -> ddp": (source, LAYOUTS["ddp2"]),
-        f"ddp -> {layout}": (saved_runs["ddp2"], (world, plan)),
+        f"{layout} -> ddp": (source, (ddp_world, ddp_plan)),
+        f"ddp -> {layout}": (ddp_source, (world, plan)),
     }
     for name, (src, (n, target_plan)) in directions.items():
         run = tmp_path / name.replace(" -> ", "-to-")
         (run / "t" / "checkpoints").mkdir(parents=True)
         shutil.copytree(ckpt(src, 2), ckpt(run, 2))
-        assert train_ranks(n, run, steps=3, every=1, plan=target_plan)["resumed_from"].endswith("step_00000002")
+        summary = train_ranks(n, run, steps=3, every=1, plan=target_plan, kind=kind)
+        assert summary["resumed_from"].endswith("step_00000002")
         want, got = checkpoint_tensors(ckpt(src, 3), tmp_path), checkpoint_tensors(ckpt(run, 3), tmp_path)
         assert got.keys() == want.keys(), f"{name}: {sorted(got.keys() ^ want.keys())}"
         for k in want:

@@ -5,7 +5,8 @@ q, k and v into one ``c_attn`` whose outputs are ``[q | k | v]``; a plain column
 rank 0 all of q and half of k. The fused weight is therefore laid out as
 ``_StridedShard(1, split_factor=3)``: every rank holds its slice of q, of k and of v, and the
 DTensor still knows the full layout (checkpoints, full state dicts and FSDP see the real
-parameter). The forward runs on the local shards with Megatron's two collectives.
+parameter). The small fused bias stays whole on every rank (see ``_local_bias``). The forward
+runs on the local shards with Megatron's two collectives.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -53,8 +54,20 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 def _colwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x = _CopyToParallel.apply(x, self.tp_group)
-    out = torch.addmm(self.bias.to_local(), x.reshape(-1, x.shape[-1]), self.weight.to_local())
+    out = torch.addmm(_local_bias(self), x.reshape(-1, x.shape[-1]), self.weight.to_local())
     return out.view(*x.shape[:-1], -1)
+
+
+def _local_bias(module: nn.Module) -> torch.Tensor:
+    """This rank's bias. A fused (q|k|v) bias stays whole on every rank and is sliced here: a
+    strided 1-D DTensor would share dim 0 with FSDP's own split, which FSDP2 cannot describe.
+    Its gradient is then each rank's slice only, so it is declared Partial and summed over tp."""
+    if module.blocks == 1:
+        return module.bias.to_local()
+    full = module.bias.to_local(grad_placements=[Partial()]).view(module.blocks, -1)
+    width = full.shape[1] // dist.get_world_size(module.tp_group)
+    start = width * dist.get_rank(module.tp_group)
+    return full[:, start : start + width].reshape(-1)
 
 
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +90,11 @@ class Conv1DParallel(ParallelStyle):
         self.mode, self.blocks = mode, blocks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.mode == "colwise":
-            split = (lambda dim: _StridedShard(dim, split_factor=self.blocks)) if self.blocks > 1 else Shard
-            placements = {"weight": split(1), "bias": split(0)}
+        if self.mode == "colwise" and self.blocks > 1:
+            placements = {"weight": _StridedShard(1, split_factor=self.blocks), "bias": Replicate()}
+            forward = _colwise_forward
+        elif self.mode == "colwise":
+            placements = {"weight": Shard(1), "bias": Shard(0)}
             forward = _colwise_forward
         else:
             placements = {"weight": Shard(0), "bias": Replicate()}  # the bias is added once, after the sum
@@ -90,5 +105,6 @@ class Conv1DParallel(ParallelStyle):
                 name, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]), param.requires_grad)
             )
         module.tp_group = device_mesh.get_group()
+        module.blocks = self.blocks
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
         return module

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from tessera.errors import NotSupportedYet, PlanError
+from tessera.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,6 @@ class Policy:
     # Run after the tp plan on the model or one of its pipeline stages: re-tie the input and output
     # embeddings (both vocabulary-sharded alike), adjust attributes that count local features.
     after_tp: Callable[[nn.Module, int], None] | None = None
-    # False when FSDP2 cannot describe a tp-sharded parameter's layout (GPT-2's strided q/k/v bias).
-    fsdp_over_tp: bool = True
     sequence_parallel_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None
 
     def tensor_plan(
@@ -85,16 +83,11 @@ class Policy:
             )
         self.ulysses(model, group)
 
-    def check_tp(self, model: nn.Module, tp: int, zero: int = 0) -> None:
+    def check_tp(self, model: nn.Module, tp: int) -> None:
         """Refuse a tensor-parallel degree the model's sizes cannot be split by."""
         for name, size in self.sizes(model).items():
             if size % tp:
                 raise PlanError(f"Plan.tp={tp} does not divide {self.name} {name}={size}: choose a tp that divides it.")
-        if tp > 1 and zero >= 2 and not self.fsdp_over_tp:
-            raise NotSupportedYet(
-                f"Plan.tp={tp} with Plan.zero={zero}: FSDP2 cannot yet describe {self.name}'s strided q/k/v bias "
-                "across dp and tp (its gathered copies would be scrambled); use ZeRO-1 or DDP with tp."
-            )
         if tp > 1 and self.tied_embeddings(model) and self.after_tp is None:
             raise PlanError(
                 f"Plan.tp={tp}: tied input/output embeddings are not supported with tensor parallelism yet; "

@@ -77,7 +77,6 @@ GPT2 = Policy(
     },
     tp_plan=_tp_plan,
     after_tp=_after_tp,
-    fsdp_over_tp=False,
     head="lm_head",
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", True)),
     ulysses=_ulysses,
