@@ -82,7 +82,7 @@ def test_sp2_training_equals_single_process() -> None:
     """Acceptance 6: sp all_to_all, and sp split_gather with tp2, for the reference Llama and each
     Hugging Face family with a policy."""
     cases = [(f"{kind} sp2", sp_plan(), kind, None) for kind in (*KINDS, "gpt2")]
-    cases += [(f"{kind} tp2 split_gather", SPLIT_GATHER.to_dict(), kind, None) for kind in KINDS]
+    cases += [(f"{kind} tp2 split_gather", SPLIT_GATHER.to_dict(), kind, None) for kind in (*KINDS, "gpt2")]
     check_cases(2, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
@@ -95,7 +95,7 @@ def test_ulysses_with_dp_and_zero_equals_single_process() -> None:
             kind,
             None,
         )
-        for kind in ("llama", "hf_qwen2")
+        for kind in ("llama", "hf_qwen2", "gpt2")
         for z in (1, 3)
     ]
     cases += [
@@ -115,6 +115,7 @@ def split_gather_shapes_worker(kind: str) -> dict:
     norms = {
         "llama": lambda m: (m.layers[0].attention_norm, m.norm),
         "hf_llama": lambda m: (m.model.layers[0].input_layernorm, m.model.norm),
+        "gpt2": lambda m: (m.transformer.h[0].ln_1, m.transformer.ln_f),
     }[kind](model)
     seen = []
     for norm in norms:
@@ -125,7 +126,7 @@ def split_gather_shapes_worker(kind: str) -> dict:
     return {"norm_seq": seen, "logits_seq": local(getattr(logits, "logits", logits)).shape[1]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
+@pytest.mark.parametrize("kind", ["llama", "hf_llama", "gpt2"])
 def test_split_gather_norms_see_a_sequence_shard(kind: str) -> None:
     from parity import SEQ
 

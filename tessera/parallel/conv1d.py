@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -53,7 +53,10 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 
 def _colwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    x = _CopyToParallel.apply(x, self.tp_group)
+    if self.sequence_parallel:  # x: sequence shards (DTensor); gather them, reduce-scatter the gradient
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    else:
+        x = _CopyToParallel.apply(x, self.tp_group)
     out = torch.addmm(_local_bias(self), x.reshape(-1, x.shape[-1]), self.weight.to_local())
     return out.view(*x.shape[:-1], -1)
 
@@ -71,23 +74,27 @@ def _local_bias(module: nn.Module) -> torch.Tensor:
 
 
 def _rowwise_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = _ReduceFromParallel.apply(x.reshape(-1, x.shape[-1]) @ self.weight.to_local(), self.tp_group)
-    return (out + self.bias.to_local()).view(*x.shape[:-1], -1)
+    partial = (x.reshape(-1, x.shape[-1]) @ self.weight.to_local()).view(*x.shape[:-1], -1)
+    if self.sequence_parallel:  # reduce-scatter into sequence shards (DTensor), all-gather the gradient
+        out = DTensor.from_local(partial, self.tp_mesh, [Partial()]).redistribute(placements=[Shard(1)])
+        return out + self.bias
+    return _ReduceFromParallel.apply(partial, self.tp_group) + self.bias.to_local()
 
 
 class Conv1DParallel(ParallelStyle):
     """Column- or row-parallel ``Conv1D``; ``blocks`` > 1 splits each of that many equal output
-    blocks (q, k, v) separately.
+    blocks (q, k, v) separately. With ``sequence_parallel`` (Megatron split/gather) the column
+    layer takes sequence-sharded DTensor input and the row layer returns it.
 
     Example:
         >>> parallelize_module(model, tp_mesh, {"transformer.h.*.attn.c_attn": Conv1DParallel("colwise", blocks=3)})
     """
 
-    def __init__(self, mode: str, blocks: int = 1) -> None:
+    def __init__(self, mode: str, blocks: int = 1, sequence_parallel: bool = False) -> None:
         super().__init__()
         if mode not in ("colwise", "rowwise"):
             raise ValueError(f"Conv1DParallel mode must be 'colwise' or 'rowwise', got {mode!r}")
-        self.mode, self.blocks = mode, blocks
+        self.mode, self.blocks, self.sequence_parallel = mode, blocks, sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.mode == "colwise" and self.blocks > 1:
@@ -104,7 +111,7 @@ class Conv1DParallel(ParallelStyle):
             module.register_parameter(
                 name, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]), param.requires_grad)
             )
-        module.tp_group = device_mesh.get_group()
-        module.blocks = self.blocks
+        module.tp_group, module.tp_mesh = device_mesh.get_group(), device_mesh
+        module.blocks, module.sequence_parallel = self.blocks, self.sequence_parallel
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
         return module

@@ -1,4 +1,5 @@
-"""Policy for Hugging Face ``GPT2LMHeadModel``: tensor parallelism, pipeline stages, Ulysses attention.
+"""Policy for Hugging Face ``GPT2LMHeadModel``: tensor (and split/gather sequence) parallelism,
+pipeline stages, Ulysses attention.
 
 GPT-2's projections are ``Conv1D`` layers with the fused q/k/v ``c_attn``: they get
 :class:`~tessera.parallel.conv1d.Conv1DParallel` (strided q/k/v split). GPT-2 ties its head to
@@ -11,8 +12,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from tessera.models.policies.base import PipelineLayout, Policy
 from tessera.parallel.conv1d import Conv1DParallel
@@ -30,6 +37,26 @@ def _tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         "transformer.h.*.mlp.c_fc": Conv1DParallel("colwise"),
         "transformer.h.*.mlp.c_proj": Conv1DParallel("rowwise"),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Megatron split/gather: the residual stream is a DTensor sharded on the sequence, so
+    ``GPT2Model`` still sees the full length (positions); the position embedding is computed
+    whole and handed on as sequence shards."""
+    return {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "transformer.wpe": PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        ),
+        "transformer.h.*.ln_1": SequenceParallel(),
+        "transformer.h.*.attn.c_attn": Conv1DParallel("colwise", blocks=3, sequence_parallel=True),
+        "transformer.h.*.attn.c_proj": Conv1DParallel("rowwise", sequence_parallel=True),
+        "transformer.h.*.ln_2": SequenceParallel(),
+        "transformer.h.*.mlp.c_fc": Conv1DParallel("colwise", sequence_parallel=True),
+        "transformer.h.*.mlp.c_proj": Conv1DParallel("rowwise", sequence_parallel=True),
+        "transformer.ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
 
 
@@ -76,6 +103,7 @@ GPT2 = Policy(
         "vocab_size": m.config.vocab_size,
     },
     tp_plan=_tp_plan,
+    sequence_parallel_plan=_sequence_parallel_plan,
     after_tp=_after_tp,
     head="lm_head",
     tied_embeddings=lambda m: bool(getattr(m.config, "tie_word_embeddings", True)),
