@@ -16,12 +16,11 @@ next to it (p ranks, m micro-batches, v stages per rank):
 Peak activation memory per rank is the peak of live bytes saved for backward
 (``saved_tensors_hooks``), the part a schedule changes.
 
-Part 2 (tokens/s): a 6-layer Hugging Face Llama (hidden 384, 6 heads, vocab 8192, sequence
-128) — the size of the foundation benchmark's GPT-2, whose tensor/pipeline policy has not
-landed — under tp2, pp2 (1F1B, 4 micro-batches), dp2 and tp2×pp2, each against the same model
-on torch DDP with the same number of ranks, interleaved in one process group.
+Part 2 (tokens/s): the foundation benchmark's 6-layer GPT-2 (Hugging Face, hidden 384, 6 heads,
+vocab 8192, sequence 128) under tp2, pp2 (1F1B, 4 micro-batches), dp2 and tp2×pp2, each against
+the same model on torch DDP with the same number of ranks, interleaved in one process group.
 
-    python benchmarks/pipeline_bubbles.py [--reps 3] [--sleep-ms 10] [--json out.json]
+    python benchmarks/pipeline_bubbles.py [--part all|bubbles|throughput] [--reps 3] [--sleep-ms 10] [--json out.json]
 """
 
 from __future__ import annotations
@@ -166,7 +165,7 @@ def bubble_worker(sleep_s: float, reps: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------- tokens/s vs DDP
-HF = {"n_layer": 6, "hidden": 384, "n_head": 6, "n_kv_head": 6, "ffn": 1536, "vocab_size": 8192, "seq_len": 128}
+HF = {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192, "seq_len": 128}
 GLOBAL_BATCH = 16
 
 
@@ -174,7 +173,7 @@ def _model() -> nn.Module:
     from tessera.models import hf
 
     torch.manual_seed(0)
-    return hf.llama(**HF)
+    return hf.gpt2(**HF)
 
 
 def _loss(output: Any, y: torch.Tensor) -> torch.Tensor:
@@ -252,40 +251,45 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sleep-ms", type=float, default=10.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--part", choices=["all", "bubbles", "throughput"], default="all")
     args = parser.parse_args()
     os.environ.setdefault("TESSERA_DEVICE", "cpu")
 
-    rows = [r for rank in run_ranks(bubble_worker, PP, args.sleep_ms / 1e3, args.reps, timeout_s=1800) for r in rank]
-    print(f"\npp={PP}, {LAYERS} layers, F=B=W={args.sleep_ms:g} ms per layer and micro-batch (sleep)")
-    print(
-        f"{'schedule':24} {'mb':>3} {'textbook':>9} {'idle per rank':>30} {'step s':>7} {'peak saved KiB per rank':>32}"
-    )
-    table = []
-    for schedule in SCHEDULES:
-        for mb in MICROBATCHES:
-            mine = sorted(
-                (r for r in rows if r["schedule"] == schedule and r["microbatches"] == mb), key=lambda r: r["rank"]
-            )
-            idle = [r["idle"] for r in mine]
-            peak = [r["peak_saved_bytes"] // 1024 for r in mine]
-            book = textbook_bubble(schedule, PP, mb)
-            table.append(
-                {
-                    "schedule": schedule,
-                    "microbatches": mb,
-                    "textbook": book,
-                    "idle": idle,
-                    "step_s": max(r["step_s"] for r in mine),
-                    "peak_saved_kib": peak,
-                }
-            )
-            print(
-                f"{schedule:24} {mb:>3} {book:>9.3f} {' '.join(f'{x:.3f}' for x in idle):>30} "
-                f"{table[-1]['step_s']:>7.3f} {' '.join(map(str, peak)):>32}"
-            )
+    table: list[dict] = []
+    if args.part in ("all", "bubbles"):
+        rows = [
+            r for rank in run_ranks(bubble_worker, PP, args.sleep_ms / 1e3, args.reps, timeout_s=1800) for r in rank
+        ]
+        print(f"\npp={PP}, {LAYERS} layers, F=B=W={args.sleep_ms:g} ms per layer and micro-batch (sleep)")
+        header = f"{'schedule':24} {'mb':>3} {'textbook':>9} {'idle per rank':>30} {'step s':>7}"
+        print(f"{header} {'peak saved KiB per rank':>32}")
+        for schedule in SCHEDULES:
+            for mb in MICROBATCHES:
+                mine = sorted(
+                    (r for r in rows if r["schedule"] == schedule and r["microbatches"] == mb), key=lambda r: r["rank"]
+                )
+                idle = [r["idle"] for r in mine]
+                peak = [r["peak_saved_bytes"] // 1024 for r in mine]
+                book = textbook_bubble(schedule, PP, mb)
+                table.append(
+                    {
+                        "schedule": schedule,
+                        "microbatches": mb,
+                        "textbook": book,
+                        "idle": idle,
+                        "step_s": max(r["step_s"] for r in mine),
+                        "peak_saved_kib": peak,
+                    }
+                )
+                print(
+                    f"{schedule:24} {mb:>3} {book:>9.3f} {' '.join(f'{x:.3f}' for x in idle):>30} "
+                    f"{table[-1]['step_s']:>7.3f} {' '.join(map(str, peak)):>32}"
+                )
 
     throughput = {}
     for world, layouts in ((2, ["torch-ddp", "tp2", "pp2", "dp2"]), (4, ["torch-ddp", "tp2xpp2"])):
+        if args.part not in ("all", "throughput"):
+            break
         got = run_ranks(throughput_worker, world, layouts, args.reps, args.steps, timeout_s=1800)[0]
         throughput[world] = got
         print(f"\n{world} ranks, tokens/s (median of {args.reps} interleaved reps of {args.steps} steps)")
