@@ -38,6 +38,7 @@ from tessera.parallel.pipeline import (
     PipelineRunner,
     TiedWeights,
     average_gradients,
+    check_microbatches,
     split_model,
     tied_names,
 )
@@ -231,11 +232,7 @@ class Booster:
     ) -> torch.Tensor:
         """Micro-batches as gradient accumulation (no pipeline): synchronise on the last one only."""
         n = self.plan.pipeline.microbatches
-        if inputs.shape[0] % n:
-            raise PlanError(
-                f"the batch has {inputs.shape[0]} samples, which Plan.pipeline.microbatches={n} does not divide: "
-                "make each rank's batch a multiple of the micro-batch count."
-            )
+        check_microbatches(inputs.shape[0], n)
         total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), target.chunk(n))):
             with self.no_sync(model) if i < n - 1 else contextlib.nullcontext():

@@ -185,7 +185,7 @@ def refusals_worker() -> dict:
 def test_models_and_batches_the_pipeline_cannot_take_get_clear_errors() -> None:
     got = run_ranks(refusals_worker, 2)[0]
     assert "no policy for Sequential" in got["no policy"] and "Plan.pp=1" in got["no policy"]
-    assert "would drift apart" in got["tie split"] and "ZeRO-0/1" in got["tie split"]
+    assert "would drift apart" in got["tie split"] and "looped schedule" in got["tie split"]
     assert "execute_pipeline" in got["call"]
     assert "'y'/'labels'" in got["batch"] and "tokens" in got["batch"]
     assert "3 samples" in got["odd"] and "microbatches=2" in got["odd"]

@@ -163,3 +163,44 @@ def test_tp_that_does_not_divide_heads_is_refused() -> None:
 def test_model_without_a_policy_names_the_policies() -> None:
     message = run_ranks(bad_tp_worker, 2, tessera.Hybrid(tp=2).to_dict())[0]
     assert "no policy for Sequential" in message and "Hugging Face GPT-2" in message, message
+
+
+def dropout_worker(plan_dict: dict) -> list[str]:
+    """Train GPT-2 with dropout under tp; return the replicated parameters that differ across tp ranks."""
+    import torch.distributed as dist
+    from parity import SEQ, VOCAB, TokenData, loss_fn, make_optimizer
+    from torch.distributed.tensor import DTensor
+
+    from tessera.models import hf
+
+    torch.manual_seed(0)  # the same stream on every rank, as a training script seeds it
+    model = hf.gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ, dropout=0.2)
+    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
+    model, opt = booster.boost(model, make_optimizer(model.parameters()))
+    model.train()
+    for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH_DEFAULT)):
+        if step == 3:
+            break
+        booster.execute_pipeline(batch, model, loss_fn, opt)
+        opt.step()
+        opt.zero_grad()
+    drifted = []
+    group = booster.mesh.get_group("tp")
+    for name, p in model.named_parameters():
+        t = p.to_local() if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements) else None
+        if t is None and isinstance(p, DTensor):
+            continue  # sharded over tp: each rank holds different elements by design
+        t = (t if t is not None else p).detach().contiguous()
+        copies = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, t, group=group)
+        if not all(torch.equal(c, copies[0]) for c in copies):
+            drifted.append(name)
+    return drifted
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-split_gather"])
+def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks(sp: bool) -> None:
+    """With dropout on, every tp rank must drop the same elements of replicated activations, or
+    the replicated parameters (norms, biases, positions) silently drift apart between ranks."""
+    plan = tessera.Hybrid(tp=2, sp="split_gather" if sp else 1).to_dict()
+    assert run_ranks(dropout_worker, 2, plan)[0] == []

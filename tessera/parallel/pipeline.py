@@ -159,8 +159,9 @@ class TiedWeights:
             if len(holders) < 2:  # one rank holds every use (V schedules): gradients meet locally ...
                 if len({id(held[n]) for n in names if n in held}) > 1:  # ... unless wrapping split the tie
                     raise PlanError(
-                        f"tied parameters {names} sit on one rank under schedule {spec.schedule!r}, and sharding "
-                        "them (ZeRO-2/3) made two copies that would drift apart: use ZeRO-0/1 or a looped schedule."
+                        f"tied parameters {names} sit on two stages of one rank under schedule {spec.schedule!r}, "
+                        "and sharding each stage (tensor parallelism or ZeRO-2/3) made two copies that would drift "
+                        "apart: use a looped schedule (1f1b, interleaved_1f1b, ...), or ZeRO-0/1 without tp."
                     )
                 continue
             for coord in itertools.product(*(range(k) for k in grid.shape[1:])):
@@ -202,6 +203,15 @@ class PipelineModel(nn.Module):
         )
 
 
+def check_microbatches(batch_size: int, microbatches: int) -> None:
+    """Refuse a batch that does not split into equal micro-batches (their mean would not be the batch mean)."""
+    if batch_size % microbatches:
+        raise PlanError(
+            f"the batch has {batch_size} samples, which Plan.pipeline.microbatches={microbatches} does not divide: "
+            "make each rank's batch a multiple of the micro-batch count."
+        )
+
+
 class PipelineRunner:
     """One training step over the micro-batches of a batch, with the Plan's schedule."""
 
@@ -213,7 +223,6 @@ class PipelineRunner:
         group: dist.ProcessGroup,
         device: torch.device,
     ) -> None:
-        self.model = model
         self.spec = spec
         self.group = group
         self.stages = [
@@ -248,11 +257,7 @@ class PipelineRunner:
         the returned loss is the user's, without it.
         """
         mb = self.spec.microbatches
-        if inputs.shape[0] % mb:
-            raise PlanError(
-                f"the batch has {inputs.shape[0]} samples, which Plan.pipeline.microbatches={mb} does not divide: "
-                "make each rank's batch a multiple of the micro-batch count."
-            )
+        check_microbatches(inputs.shape[0], mb)
         self._loss_fn = lambda out, tgt: loss_fn(out, tgt) * (factor / mb)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
@@ -268,13 +273,13 @@ class PipelineRunner:
 
 @torch.no_grad()
 def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average plain (replicated) gradients over ``group`` in one flat all-reduce.
+    """Average gradients that are replicated over ``group`` in one flat all-reduce.
 
     Used for DDP and ZeRO-1 under pipeline parallelism: the schedule runs the backward
     passes, so DDP's hooks cannot overlap the reduction; one bucket after the step is simple
     and works for every schedule (zero-bubble ones split backward in two).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]  # tp shards: the dp ranks hold alike ones
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
