@@ -89,6 +89,16 @@ def test_pipeline_on_hugging_face_and_tied_models_pp2() -> None:
     check_cases(2, cases)
 
 
+def test_dp_tp_pp_on_8_ranks_equals_single_process() -> None:
+    """The one 8-rank test: dp2 × tp2 × pp2, with ZeRO-1 and with ZeRO-3 (GPT-2: tied copies,
+    strided q/k/v and FSDP at once)."""
+    cases = [
+        ("llama:4 dp2xtp2xpp2 zero1", pp_plan(2, "1f1b", 2, tp=2, zero=1), "llama:4", None),
+        ("gpt2:4 dp2xtp2xpp2 zero3 interleaved", pp_plan(2, "interleaved_1f1b", 2, tp=2, zero=3), "gpt2:4", None),
+    ]
+    check_cases(8, cases)
+
+
 def checkpoint_worker(root: str) -> dict:
     """Train one step under tp2×pp2 and save; load under DDP and under ZeRO-3 on the same 4 ranks."""
     from parity import TokenData, build_model, loss_fn, make_optimizer
