@@ -13,6 +13,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tessera.errors import PlanError
 
@@ -85,6 +86,28 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    from tessera.cluster.spec import Cluster
+
+    if args.cluster_command == "detect":
+        from tessera.cluster.detect import describe, detect
+
+        text = describe(detect(args.name))
+        if args.out:
+            Path(args.out).write_text(text)
+            print(f"wrote {args.out}")
+        else:
+            print(text, end="")
+        return 0
+    cluster = Cluster.load(args.file)
+    for node in cluster.nodes:
+        t = cluster.device_type(node.name)
+        peaks = ", ".join(f"{k} {v:g}" for k, v in t.peak_tflops.items())
+        print(f"{node.name} ({node.region}): {node.count} x {t.name}, {t.memory_gib:g} GiB, {peaks} TFLOP/s")
+    print(f"# valid: {cluster.world_size} devices on {len(cluster.nodes)} nodes")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tessera", description="Scale PyTorch training with one Plan.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -109,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     check = plan_sub.add_parser("check", help="validate a Plan file")
     check.add_argument("file")
     check.add_argument("--world-size", type=int, required=True)
+    cluster = sub.add_parser("cluster", help="describe clusters: detect this machine, check a cluster file")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    detect = cluster_sub.add_parser("detect", help="write a cluster file for this machine")
+    detect.add_argument("--out", help="file to write (default: print it)")
+    detect.add_argument("--name", help="node name (default: the host name)")
+    cluster_check = cluster_sub.add_parser("check", help="validate a cluster file and list its devices")
+    cluster_check.add_argument("file")
     export = sub.add_parser("export", help="write a checkpoint's full model as safetensors / Hugging Face")
     export.add_argument("checkpoint")
     export.add_argument("--out", help="a .safetensors file to write")
@@ -117,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "cluster":
+            return _cluster(args)
         if args.command == "train":
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")

@@ -1,0 +1,271 @@
+"""The cluster description: nodes and their devices, device types, and the links between them.
+
+A ``cluster.yaml``::
+
+    nodes:
+      - name: a
+        region: us-east                      # optional; nodes in different regions talk over inter_region
+        devices: [{type: A100-80GB, count: 8}]
+      - name: b
+        devices: [{type: L4, count: 4}]
+    device_types:                            # optional: types missing from the catalogue, or overrides
+      MyGPU: {peak_tflops: {bf16: 200, fp32: 20}, memory_gib: 48, bandwidth_gbs: 1000}
+    links:                                   # optional: defaults below
+      intra_node: {bandwidth_gbs: 300, latency_us: 5}
+      inter_node: {bandwidth_gbs: 25, latency_us: 10}
+      inter_region: {bandwidth_gbs: 1, latency_us: 50000}
+      between:                               # pairs of nodes with their own link
+        - {nodes: [a, b], bandwidth_gbs: 12.5, latency_us: 20}
+
+Every mistake is a :class:`ClusterError` naming the node (or link) and the field.
+
+Example:
+    >>> cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "H100", "count": 8}]}]})
+    >>> cluster.world_size, cluster.device_type("a").memory_gib
+    (8, 79.6)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.cluster.catalog import CATALOG, DeviceType, lookup
+from tessera.errors import nearest
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ClusterError(ValueError):
+    """A cluster description is malformed: the message names the node or link and the field."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network path: bandwidth in GB/s (bytes, not bits) and one-way latency in microseconds."""
+
+    bandwidth_gbs: float
+    latency_us: float
+
+    def seconds(self, n_bytes: float) -> float:
+        """Time to move ``n_bytes`` over this link once."""
+        return self.latency_us * 1e-6 + n_bytes / (self.bandwidth_gbs * 1e9)
+
+
+DEFAULT_LINKS = {
+    "intra_node": Link(300.0, 5.0),  # NVLink-class
+    "inter_node": Link(25.0, 10.0),  # 200 Gb/s InfiniBand / RoCE
+    "inter_region": Link(1.0, 50_000.0),  # a WAN path between regions
+}
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    device_type: str  # a catalogue name or a key of the file's device_types
+    count: int
+    region: str = "default"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of devices and the links between them (see the module docstring for the file format)."""
+
+    nodes: tuple[Node, ...]
+    device_types: dict[str, DeviceType] = field(default_factory=dict)
+    links: dict[str, Link] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+    pair_links: dict[frozenset[str], Link] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def world_size(self) -> int:
+        return sum(n.count for n in self.nodes)
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ClusterError(f"no node named {name!r}{nearest(name, [n.name for n in self.nodes])}.")
+
+    def device_type(self, node: str) -> DeviceType:
+        """The device type of ``node``'s devices (the file's own figures win over the catalogue)."""
+        name = self.node(node).device_type
+        return self.device_types.get(name) or lookup(name)  # type: ignore[return-value]
+
+    def devices(self) -> list[tuple[str, int, DeviceType]]:
+        """Every device, in rank order: (node, local index, type)."""
+        return [(n.name, i, self.device_type(n.name)) for n in self.nodes for i in range(n.count)]
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between nodes ``a`` and ``b`` (the same node: the intra-node link)."""
+        if a == b:
+            return self.links["intra_node"]
+        if (pair := frozenset((a, b))) in self.pair_links:
+            return self.pair_links[pair]
+        same_region = self.node(a).region == self.node(b).region
+        return self.links["inter_node" if same_region else "inter_region"]
+
+    # ------------------------------------------------------------- file format
+    @classmethod
+    def load(cls, path: str | Path) -> Cluster:
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise ClusterError(
+                f"cluster file {str(path)!r} does not exist (write one, or run: tessera cluster detect)."
+            )
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ClusterError(f"cluster file {str(path)!r} is not valid YAML: {exc}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "the cluster") -> Cluster:
+        """Validate a parsed cluster file; every error names the node or link and the field."""
+        if not isinstance(data, dict):
+            raise ClusterError(f"{source}: expected a mapping with 'nodes', got {type(data).__name__}.")
+        _known_keys(data, ("nodes", "device_types", "links"), source)
+        types = {name: _device_type(name, spec, source) for name, spec in (data.get("device_types") or {}).items()}
+        nodes = _nodes(data.get("nodes"), types, source)
+        links, pairs = _links(data.get("links") or {}, {n.name for n in nodes}, source)
+        return cls(tuple(nodes), types, links, pairs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "nodes": [
+                {"name": n.name, "region": n.region, "devices": [{"type": n.device_type, "count": n.count}]}
+                for n in self.nodes
+            ]
+        }
+        if self.device_types:
+            out["device_types"] = {
+                name: {"peak_tflops": t.peak_tflops, "memory_gib": t.memory_gib, "bandwidth_gbs": t.bandwidth_gbs}
+                for name, t in self.device_types.items()
+            }
+        links: dict[str, Any] = {
+            k: {"bandwidth_gbs": v.bandwidth_gbs, "latency_us": v.latency_us} for k, v in self.links.items()
+        }
+        if self.pair_links:
+            links["between"] = [
+                {"nodes": sorted(pair), "bandwidth_gbs": v.bandwidth_gbs, "latency_us": v.latency_us}
+                for pair, v in self.pair_links.items()
+            ]
+        out["links"] = links
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ------------------------------------------------------------------- validation
+def _known_keys(data: dict, allowed: tuple[str, ...], where: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise ClusterError(
+                f"{where}: unknown field {key!r}{nearest(str(key), allowed)}; fields: {', '.join(allowed)}."
+            )
+
+
+def _positive(value: Any, where: str, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ClusterError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}.")
+    return float(value)
+
+
+def _device_type(name: str, spec: Any, source: str) -> DeviceType:
+    where = f"{source}: device_types.{name}"
+    if not isinstance(spec, dict):
+        raise ClusterError(f"{where} must be a mapping (peak_tflops, memory_gib, bandwidth_gbs).")
+    _known_keys(spec, ("peak_tflops", "memory_gib", "bandwidth_gbs"), where)
+    base = lookup(name)  # figures the file leaves out come from the catalogue
+    peaks = spec.get("peak_tflops", base.peak_tflops if base else None)
+    if not isinstance(peaks, dict) or not peaks:
+        raise ClusterError(
+            f"{where}.peak_tflops must map a dtype ({', '.join(DTYPES)}) to TFLOP/s, e.g. {{bf16: 120}}."
+        )
+    for dtype, value in peaks.items():
+        if dtype not in DTYPES:
+            raise ClusterError(f"{where}.peak_tflops: unknown dtype {dtype!r}{nearest(str(dtype), DTYPES)}.")
+        _positive(value, f"{where}.peak_tflops.{dtype}")
+    memory = _positive(spec.get("memory_gib", base.memory_gib if base else None), f"{where}.memory_gib")
+    bandwidth = _positive(spec.get("bandwidth_gbs", base.bandwidth_gbs if base else None), f"{where}.bandwidth_gbs")
+    return DeviceType(name, {k: float(v) for k, v in peaks.items()}, memory, bandwidth)
+
+
+def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
+    if not isinstance(raw, list) or not raw:
+        raise ClusterError(f"{source}: 'nodes' must be a non-empty list of nodes (name, devices).")
+    nodes: list[Node] = []
+    for i, spec in enumerate(raw):
+        where = f"{source}: nodes[{i}]"
+        if not isinstance(spec, dict):
+            raise ClusterError(f"{where} must be a mapping with name and devices.")
+        _known_keys(spec, ("name", "region", "devices"), where)
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise ClusterError(f"{where}.name must be a non-empty string.")
+        where = f"{source}: node {name!r}"
+        if any(n.name == name for n in nodes):
+            raise ClusterError(f"{where}: the name is used twice; node names must be unique.")
+        devices = spec.get("devices")
+        if not isinstance(devices, list) or len(devices) != 1 or not isinstance(devices[0], dict):
+            raise ClusterError(
+                f"{where}.devices must be a list with one entry {{type, count}}: one node holds one device type "
+                "(describe a mixed machine as two nodes with a fast link between them)."
+            )
+        _known_keys(devices[0], ("type", "count"), f"{where}.devices[0]")
+        dtype, count = devices[0].get("type"), devices[0].get("count", 1)
+        if not isinstance(dtype, str) or (dtype not in types and lookup(dtype) is None):
+            hint = nearest(str(dtype), [*CATALOG, *types])
+            raise ClusterError(
+                f"{where}.devices[0].type={dtype!r} is not in the catalogue{hint} and the file gives no figures for "
+                f"it: add device_types.{dtype}: {{peak_tflops: {{bf16: ...}}, memory_gib: ..., bandwidth_gbs: ...}}, "
+                f"or use one of {', '.join(CATALOG)}."
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ClusterError(f"{where}.devices[0].count must be a positive integer, got {count!r}.")
+        region = spec.get("region", "default")
+        if not isinstance(region, str) or not region:
+            raise ClusterError(f"{where}.region must be a non-empty string, got {region!r}.")
+        nodes.append(Node(name, dtype, count, region))
+    return nodes
+
+
+def _link(spec: Any, where: str) -> Link:
+    if not isinstance(spec, dict):
+        raise ClusterError(f"{where} must be a mapping with bandwidth_gbs and latency_us.")
+    return Link(
+        _positive(spec.get("bandwidth_gbs"), f"{where}.bandwidth_gbs"),
+        _positive(spec.get("latency_us", 0.0), f"{where}.latency_us", allow_zero=True),
+    )
+
+
+def _links(raw: Any, names: set[str], source: str) -> tuple[dict[str, Link], dict[frozenset[str], Link]]:
+    where = f"{source}: links"
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{where} must be a mapping (intra_node, inter_node, inter_region, between).")
+    _known_keys(raw, (*DEFAULT_LINKS, "between"), where)
+    links = dict(DEFAULT_LINKS)
+    for kind in DEFAULT_LINKS:
+        if kind in raw:
+            links[kind] = _link(raw[kind], f"{where}.{kind}")
+    pairs: dict[frozenset[str], Link] = {}
+    for i, spec in enumerate(raw.get("between") or []):
+        here = f"{where}.between[{i}]"
+        ends = spec.get("nodes") if isinstance(spec, dict) else None
+        if not isinstance(ends, list) or len(ends) != 2:
+            raise ClusterError(f"{here}.nodes must name two nodes, e.g. [a, b].")
+        for end in ends:
+            if end not in names:
+                raise ClusterError(
+                    f"{here} links to node {end!r}, which the file does not define{nearest(str(end), names)}; "
+                    f"nodes: {', '.join(sorted(names))}."
+                )
+        pairs[frozenset(ends)] = _link({k: v for k, v in spec.items() if k != "nodes"}, here)
+    return links, pairs

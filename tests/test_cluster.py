@@ -1,0 +1,121 @@
+"""Heterogeneous-issue part 1: the cluster description, the device catalogue, and detection.
+
+Acceptance 4 (the cluster-file parts): unknown types with no figures, zero memory, links to
+missing nodes and other mistakes get errors naming the node or link and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tessera.cli import main
+from tessera.cluster import CATALOG, Cluster, ClusterError, lookup
+from tessera.cluster.detect import catalog_name, describe, detect
+
+REQUIRED = ("H100", "H200", "A100-40GB", "A100-80GB", "A10", "L4", "T4", "V100", "RTX4090", "RTX3090", "A6000")
+
+
+def one_node(**device) -> dict:
+    return {"nodes": [{"name": "a", "devices": [{"type": "A100-80GB", "count": 2, **device}]}]}
+
+
+def test_catalogue_covers_the_common_types_with_datasheet_figures() -> None:
+    for name in (*REQUIRED, "MI250X", "cpu"):
+        t = CATALOG[name]
+        assert t.memory_gib > 0 and t.bandwidth_gbs > 0 and t.peak("fp32") > 0, name
+    assert CATALOG["H100"].peak("bf16") == 989.0 and CATALOG["A100-80GB"].peak("bf16") == 312.0
+    assert CATALOG["T4"].peak("bf16") is None  # no bf16 fast path: a bf16 plan on T4 must be refused
+    assert lookup("a100") is CATALOG["A100-80GB"] and lookup("RTX-4090") is CATALOG["RTX4090"]
+
+
+def test_a_type_name_and_a_count_are_enough() -> None:
+    cluster = Cluster.from_dict(one_node())
+    assert cluster.world_size == 2
+    assert [t.name for _, _, t in cluster.devices()] == ["A100-80GB", "A100-80GB"]
+    assert Cluster.from_dict(yaml.safe_load(cluster.to_yaml())) == cluster
+
+
+def test_links_follow_nodes_and_regions() -> None:
+    cluster = Cluster.from_dict(
+        {
+            "nodes": [
+                {"name": "a", "region": "us", "devices": [{"type": "H100", "count": 8}]},
+                {"name": "b", "region": "us", "devices": [{"type": "L4", "count": 4}]},
+                {"name": "c", "region": "eu", "devices": [{"type": "MyGPU", "count": 2}]},
+            ],
+            "device_types": {"MyGPU": {"peak_tflops": {"bf16": 200}, "memory_gib": 48, "bandwidth_gbs": 900}},
+            "links": {"inter_region": {"bandwidth_gbs": 0.5, "latency_us": 80000}},
+        }
+    )
+    assert cluster.link("a", "a").bandwidth_gbs == 300.0  # intra-node default
+    assert cluster.link("a", "b").bandwidth_gbs == 25.0  # same region
+    assert cluster.link("a", "c").bandwidth_gbs == 0.5 and cluster.link("c", "b").latency_us == 80000
+    assert cluster.device_type("c").peak("bf16") == 200.0
+    assert cluster.link("a", "c").seconds(1e9) == pytest.approx(0.08 + 2.0)
+
+
+def test_file_figures_override_the_catalogue_field_by_field() -> None:
+    cluster = Cluster.from_dict({**one_node(), "device_types": {"A100-80GB": {"memory_gib": 70}}})
+    t = cluster.device_type("a")
+    assert t.memory_gib == 70 and t.peak("bf16") == 312.0  # memory overridden, peaks from the datasheet
+
+
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (one_node(type="B300"), "node 'a'.devices[0].type='B300' is not in the catalogue"),
+        (one_node(type="H10"), 'did you mean "H100"'),
+        (
+            {**one_node(type="X"), "device_types": {"X": {"peak_tflops": {"bf16": 100}, "memory_gib": 0}}},
+            "device_types.X.memory_gib must be a positive number, got 0",
+        ),
+        ({**one_node(type="X"), "device_types": {"X": {"memory_gib": 8}}}, "device_types.X.peak_tflops must map"),
+        ({**one_node(type="X"), "device_types": {"X": {"peak_tflops": {"int8": 9}}}}, "unknown dtype 'int8'"),
+        (one_node(count=0), "node 'a'.devices[0].count must be a positive integer"),
+        (
+            {**one_node(), "links": {"between": [{"nodes": ["a", "b"], "bandwidth_gbs": 10}]}},
+            "links.between[0] links to node 'b', which the file does not define",
+        ),
+        ({**one_node(), "links": {"inter_node": {"bandwidth_gbs": -1}}}, "links.inter_node.bandwidth_gbs"),
+        ({"nodes": [one_node()["nodes"][0], one_node()["nodes"][0]]}, "node 'a': the name is used twice"),
+        ({"nodes": [{"name": "a", "device": []}]}, "unknown field 'device' (did you mean \"devices\"?)"),
+        ({"nodes": []}, "'nodes' must be a non-empty list"),
+    ],
+)
+def test_bad_cluster_files_name_the_node_and_field(data: dict, needle: str) -> None:
+    with pytest.raises(ClusterError) as info:
+        Cluster.from_dict(data, source="c.yaml")
+    assert needle in str(info.value), str(info.value)
+
+
+def test_detect_describes_this_machine_as_a_valid_file(tmp_path: Path) -> None:
+    text = describe(detect("here"))
+    assert "measured here" in text  # measured figures are labelled as such
+    cluster = Cluster.from_dict(yaml.safe_load(text))
+    (node,) = cluster.nodes
+    assert node.name == "here" and node.count >= 1
+    assert cluster.device_type("here").memory_gib > 0 and cluster.device_type("here").peak("fp32") > 0
+
+
+def test_gpu_names_map_to_the_catalogue() -> None:
+    assert catalog_name("NVIDIA A100-SXM4-40GB", 39.4) == "A100-40GB"
+    assert catalog_name("NVIDIA A100-SXM4-80GB", 79.2) == "A100-80GB"
+    assert catalog_name("NVIDIA A10", 22.1) == "A10"
+    assert catalog_name("NVIDIA H200", 139.8) == "H200"
+    assert catalog_name("NVIDIA GeForce RTX 4090", 23.6) == "RTX4090"
+    assert catalog_name("NVIDIA RTX A6000", 47.5) == "A6000"
+    assert catalog_name("Some Future GPU", 99.0) is None
+
+
+def test_cli_check_and_detect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cluster.yaml"
+    assert main(["cluster", "detect", "--name", "box", "--out", str(out)]) == 0
+    assert main(["cluster", "check", str(out)]) == 0
+    assert "# valid: " in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes:\n  - name: a\n    devices: [{type: A100-80GB, count: 0}]\n")
+    assert main(["cluster", "check", str(bad)]) == 2
+    assert "count must be a positive integer" in capsys.readouterr().err
