@@ -14,7 +14,8 @@ next to it (p ranks, m micro-batches, v stages per rank):
     ZBV zero bubble          0 when m >= 2p and F = B = W
 
 Peak activation memory per rank is the peak of live bytes saved for backward
-(``saved_tensors_hooks``), the part a schedule changes.
+(``saved_tensors_hooks``, parameters and buffers excluded), the part a schedule changes, per
+step; "left after step" is what a step's saved tensors leave alive afterwards (should be 0).
 
 Part 2 (tokens/s): the foundation benchmark's 6-layer GPT-2 (Hugging Face, hidden 384, 6 heads,
 vocab 8192, sequence 128) under tp2, pp2 (1F1B, 4 micro-batches), dp2 and tp2×pp2, each against
@@ -97,31 +98,12 @@ def stretch(model: nn.Module, seconds: float) -> None:
         parametrize.register_parametrization(block.feed_forward.w2, "weight", _WeightGradSleep(seconds))
 
 
-class _SavedBytes:
-    """Live bytes saved for backward on this rank, and their peak."""
-
-    live = 0
-    peak = 0
-
-    class _Held:
-        def __init__(self, t: torch.Tensor) -> None:
-            self.t, self.n = t, t.numel() * t.element_size()
-            _SavedBytes.live += self.n
-            _SavedBytes.peak = max(_SavedBytes.peak, _SavedBytes.live)
-
-        def __del__(self) -> None:
-            _SavedBytes.live -= self.n
-
-    @classmethod
-    def hooks(cls) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: cls._Held(t), lambda held: held.t)
-
-
 def bubble_worker(sleep_s: float, reps: int) -> list[dict]:
     import torch.distributed as dist
 
     import tessera
     from tessera.models import Llama, LlamaConfig
+    from tessera.planner.profile import SavedBytes
 
     out = []
     for schedule in SCHEDULES:
@@ -140,17 +122,21 @@ def bubble_worker(sleep_s: float, reps: int) -> list[dict]:
             booster.execute_pipeline(batch, model, loss_fn, opt)  # warm-up (shape inference)
             opt.zero_grad()
             idle, walls = [], []
-            _SavedBytes.peak = _SavedBytes.live = 0
+            # Weights and rotary tables that autograd saves cost nothing extra.
+            saved = SavedBytes(exclude=[*model.parameters(), *(b for st in model.stage_modules for b in st.buffers())])
+            peaks = []
             for _ in range(reps):
                 dist.barrier()
                 _Clock.busy = 0.0
+                before = saved.peak = saved.live  # a step's own peak, above what earlier steps left
                 start = time.perf_counter()
-                with _SavedBytes.hooks():
+                with saved.track():
                     booster.execute_pipeline(batch, model, loss_fn, opt)
                 wall = time.perf_counter() - start
                 opt.zero_grad()
                 walls.append(wall)
                 idle.append(1 - _Clock.busy / wall)
+                peaks.append(saved.peak - before)
             out.append(
                 {
                     "schedule": schedule,
@@ -158,7 +144,8 @@ def bubble_worker(sleep_s: float, reps: int) -> list[dict]:
                     "rank": dist.get_rank(),
                     "idle": statistics.median(idle),
                     "step_s": statistics.median(walls),
-                    "peak_saved_bytes": _SavedBytes.peak,
+                    "peak_saved_bytes": max(peaks),
+                    "left_per_step_bytes": saved.live // reps,  # saved tensors never freed (should be 0)
                 }
             )
     return out
@@ -262,7 +249,7 @@ def main() -> None:
         ]
         print(f"\npp={PP}, {LAYERS} layers, F=B=W={args.sleep_ms:g} ms per layer and micro-batch (sleep)")
         header = f"{'schedule':24} {'mb':>3} {'textbook':>9} {'idle per rank':>30} {'step s':>7}"
-        print(f"{header} {'peak saved KiB per rank':>32}")
+        print(f"{header} {'peak saved KiB per rank':>32} {'left after step KiB':>24}")
         for schedule in SCHEDULES:
             for mb in MICROBATCHES:
                 mine = sorted(
@@ -270,6 +257,7 @@ def main() -> None:
                 )
                 idle = [r["idle"] for r in mine]
                 peak = [r["peak_saved_bytes"] // 1024 for r in mine]
+                left = [r["left_per_step_bytes"] // 1024 for r in mine]
                 book = textbook_bubble(schedule, PP, mb)
                 table.append(
                     {
@@ -279,11 +267,12 @@ def main() -> None:
                         "idle": idle,
                         "step_s": max(r["step_s"] for r in mine),
                         "peak_saved_kib": peak,
+                        "left_per_step_kib": left,
                     }
                 )
                 print(
                     f"{schedule:24} {mb:>3} {book:>9.3f} {' '.join(f'{x:.3f}' for x in idle):>30} "
-                    f"{table[-1]['step_s']:>7.3f} {' '.join(map(str, peak)):>32}"
+                    f"{table[-1]['step_s']:>7.3f} {' '.join(map(str, peak)):>32} {' '.join(map(str, left)):>24}"
                 )
 
     throughput = {}
