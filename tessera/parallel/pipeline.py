@@ -11,6 +11,7 @@ and V schedules). The schedules themselves are ``torch.distributed.pipelining``'
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -234,6 +235,13 @@ class PipelineRunner:
         last_owner = stage_owners(dist.get_world_size(group), n_stages, spec.schedule)[n_stages - 1]
         self.last_rank = dist.get_global_rank(group, last_owner)
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        if spec.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
+            warnings.warn(
+                f"schedule {spec.schedule!r}: under torch 2.13 its split backward leaves saved activations alive "
+                "after every step when a stage's graph holds views or aliases (attention, norms); memory grows "
+                "each step (docs/benchmarks.md). Prefer 1f1b or interleaved_1f1b for long runs.",
+                stacklevel=3,
+            )
         cls = SCHEDULES[spec.schedule]
         stages = self.stages[0] if spec.schedule in SINGLE_STAGE_SCHEDULES else self.stages
         # The loss is scaled by 1/microbatches here (scale_grads=False): torch's own scaling divides
