@@ -1,8 +1,9 @@
-"""Model policies: what a model family needs for tensor parallelism, as short data plus small checks.
+"""Model policies: what each model family needs for tensor, sequence and pipeline parallelism.
 
-A policy names, for each submodule, the tensor-parallel style it gets, and checks the model's
-sizes against the tensor-parallel degree. No Hugging Face modeling file is copied or patched:
-the styles are applied to the model as it is.
+A policy names, for each submodule, the tensor-parallel style it gets, where the model can be
+cut into pipeline stages, and how attention goes through Ulysses, and it checks the model's
+sizes against the degrees. No Hugging Face modeling file is copied or patched: the styles and
+hooks are applied to the model as it is.
 """
 
 from __future__ import annotations

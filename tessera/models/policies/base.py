@@ -34,6 +34,14 @@ class PipelineLayout:
 
 @dataclass(frozen=True)
 class Policy:
+    """What one model family needs for every parallel layout, as data plus small hooks.
+
+    ``tp_plan`` / ``sequence_parallel_plan`` map module paths to ``parallelize_module`` styles,
+    ``pipeline`` says where stages can be cut, ``ulysses`` routes attention through the
+    all-to-all, ``after_tp`` repairs what a tp plan changes (tied weights, local feature counts).
+    No modeling file is copied: everything applies to the model as Hugging Face (or we) built it.
+    """
+
     name: str
     matches: Callable[[nn.Module], bool]
     sizes: Callable[[nn.Module], dict[str, int]]  # sizes that tp must divide, by config name
