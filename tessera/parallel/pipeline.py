@@ -235,7 +235,7 @@ class PipelineRunner:
         last_owner = stage_owners(dist.get_world_size(group), n_stages, spec.schedule)[n_stages - 1]
         self.last_rank = dist.get_global_rank(group, last_owner)
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        if spec.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
+        if spec.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
             warnings.warn(
                 f"schedule {spec.schedule!r}: under torch 2.13 its split backward leaves saved activations alive "
                 "after every step when a stage's graph holds views or aliases (attention, norms); memory grows "
