@@ -133,8 +133,12 @@ class Booster:
             policy.check_tp(model, self.plan.tp)
         pp_mesh = self.mesh["pp"]
         tied = tied_names(model)
+        sp_group = self.mesh.get_group("sp") if self.plan.ulysses_size > 1 else None
+        if sp_group is not None:  # on the whole model: attention modules and config are shared with the stages
+            policy.enable_ulysses(model, sp_group)
         stages = split_model(model, layout, self.plan.pipeline, self.plan.pp, pp_mesh.get_local_rank())
         for _, stage in stages:
+            stage.sp_group = sp_group  # positions start at this rank's sequence offset
             stage.to(self.device)
             if self.plan.tp > 1:
                 apply_tensor_parallel_to_stage(stage, model, self.mesh["tp"], loss_parallel=self.plan.loss_parallel)
@@ -167,9 +171,8 @@ class Booster:
         parallelism (sp ranks see different tokens of the same samples)."""
         if self.plan.ulysses_size == 1:
             return self.mesh["dp"]
-        if self._grad_mesh is None:
-            self.mesh  # noqa: B018 -- the (dp, sp) groups first, in the same order on every rank
-            self._grad_mesh = init_device_mesh(self.device.type, (self.plan.dp * self.plan.sp,), mesh_dim_names=("dp",))
+        if self._grad_mesh is None:  # the dp and sp ranks of this pipeline position, as one axis
+            self._grad_mesh = self.mesh["dp", "sp"]._flatten("dp_sp")
         return self._grad_mesh
 
     # --------------------------------------------------------------- training

@@ -325,8 +325,11 @@ class Plan:
                 f"Plan.sp={self.sp} (all_to_all) together with Plan.tp={self.tp} is not supported yet: use one, "
                 "or sp_mode='split_gather' (sequence parallelism inside the tp group)."
             )
-        if self.pp > 1 and self.sp > 1:
-            raise NotSupportedYet(f"Plan.pp={self.pp} together with Plan.sp={self.sp} is not supported yet: use one.")
+        if self.pp > 1 and self.sp > 1 and self.sp_mode == "split_gather":
+            raise NotSupportedYet(
+                f"Plan.pp={self.pp} with split/gather sequence parallelism is not supported yet: use "
+                "sp_mode='all_to_all' (Ulysses) with pp, or split/gather without pp."
+            )
         if self.pp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.pp={self.pp} is not supported yet: use offload=False.")
         if self.tp > 1 and self.offload:

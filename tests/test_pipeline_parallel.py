@@ -62,7 +62,8 @@ def test_every_schedule_on_pp4_even_and_uneven_stages_equals_single_process() ->
 
 
 def test_pipeline_composes_with_tp_and_zero_for_every_model() -> None:
-    """Acceptance 6 (pp parts) and 7: pp2, tp2×pp2, dp2×pp2 with ZeRO, clipping under tp2×pp2."""
+    """Acceptance 6 (pp parts) and 7: pp2, tp2×pp2, dp2×pp2 with ZeRO, pp2×sp2 (Ulysses), clipping
+    under tp2×pp2."""
     cases = []
     for kind in ("llama:4", "hf_llama:4", "hf_qwen2:4"):
         cases.append((f"{kind} tp2xpp2", pp_plan(2, "1f1b", 2, tp=2), kind, None))
@@ -72,6 +73,10 @@ def test_pipeline_composes_with_tp_and_zero_for_every_model() -> None:
     cases.append(("llama_tied:4 dp2xpp2 zero3 clipped", pp_plan(2, "1f1b", 2, zero=3), "llama_tied:4", 0.05))
     for zero in (0, 2, 3):
         cases.append((f"dp2xpp2 zero{zero} interleaved", pp_plan(2, "interleaved_1f1b", 2, zero=zero), "llama:4", None))
+    cases += [
+        (f"{kind} pp2xsp2 ulysses", pp_plan(2, "1f1b", 2, sp=2), kind, None)
+        for kind in ("llama:4", "hf_qwen2:4", "gpt2:4")
+    ]
     cases.append(("tp2xpp2 clipped", pp_plan(2, "1f1b", 2, tp=2), "llama:4", 0.05))
     cases.append(("tp2xpp2 loss_parallel", pp_plan(2, "1f1b", 2, tp=2, loss_parallel=True), "llama:4", None))
     check_cases(4, cases)
@@ -91,10 +96,11 @@ def test_pipeline_on_hugging_face_and_tied_models_pp2() -> None:
 
 def test_dp_tp_pp_on_8_ranks_equals_single_process() -> None:
     """The one 8-rank test: dp2 × tp2 × pp2, with ZeRO-1 and with ZeRO-3 (GPT-2: tied copies,
-    strided q/k/v and FSDP at once)."""
+    strided q/k/v and FSDP at once), and dp2 × sp2 × pp2 (Ulysses inside pipeline stages)."""
     cases = [
         ("llama:4 dp2xtp2xpp2 zero1", pp_plan(2, "1f1b", 2, tp=2, zero=1), "llama:4", None),
         ("gpt2:4 dp2xtp2xpp2 zero3 interleaved", pp_plan(2, "interleaved_1f1b", 2, tp=2, zero=3), "gpt2:4", None),
+        ("hf_llama:4 dp2xsp2xpp2 zero2", pp_plan(2, "1f1b", 2, sp=2, zero=2), "hf_llama:4", None),
     ]
     check_cases(8, cases)
 

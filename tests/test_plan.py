@@ -89,8 +89,8 @@ def test_split_gather_needs_sp_equal_to_tp() -> None:
 def test_layouts_that_do_not_compose_yet_are_refused_not_ignored() -> None:
     with pytest.raises(tessera.NotSupportedYet, match="Plan.sp=2 .all_to_all. together with Plan.tp=2"):
         Plan(tp=2, sp=2).resolve(4)
-    with pytest.raises(tessera.NotSupportedYet, match="Plan.pp=2 together with Plan.sp=2"):
-        tessera.Hybrid(pp=2, sp=2, microbatches=2).resolve(4)
+    with pytest.raises(tessera.NotSupportedYet, match="Plan.pp=2 with split/gather"):
+        tessera.Hybrid(pp=2, tp=2, sp="split_gather", microbatches=2).resolve(4)
 
 
 def test_cuda_requested_without_cuda_is_a_clear_error() -> None:

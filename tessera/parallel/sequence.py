@@ -76,6 +76,13 @@ def ulysses_attention(
     return heads_to_seq(out, group)
 
 
+def position_ids(seq: int, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """Positions of this rank's ``seq`` tokens, shape (1, seq): its slice starts at rank × seq
+    under Ulysses (``group``), at 0 without sequence parallelism."""
+    start = seq * dist.get_rank(group) if group is not None else 0
+    return torch.arange(start, start + seq, device=device).unsqueeze(0)
+
+
 HF_ATTENTION = "tessera_ulysses"
 
 
@@ -114,9 +121,7 @@ def enable_hf_ulysses(
     def positions(_: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("position_ids") is None:
             tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            seq = tokens.shape[1]
-            start = seq * dist.get_rank(group)
-            kwargs["position_ids"] = torch.arange(start, start + seq, device=tokens.device).unsqueeze(0)
+            kwargs["position_ids"] = position_ids(tokens.shape[1], group, tokens.device)
         return args, kwargs
 
     model.register_forward_pre_hook(positions, with_kwargs=True)

@@ -73,13 +73,11 @@ def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """One pipeline stage: the block loop of ``GPT2Model.forward`` (no cache, no padding mask)."""
     from transformers.masking_utils import create_causal_mask
 
+    from tessera.parallel import sequence
+
     inner = stage.transformer
-    if hasattr(inner, "wte"):
-        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        h = inner.drop(inner.wte(x) + inner.wpe(position_ids))
-    else:
-        h = x
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    position_ids = sequence.position_ids(x.shape[1], stage.sp_group, x.device)  # offset under Ulysses
+    h = inner.drop(inner.wte(x) + inner.wpe(position_ids)) if hasattr(inner, "wte") else x
     mask = create_causal_mask(
         config=stage.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
     )

@@ -25,9 +25,11 @@ def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """One pipeline stage: the decoder loop of ``LlamaModel.forward`` (no cache, no padding mask)."""
     from transformers.masking_utils import create_causal_mask
 
+    from tessera.parallel import sequence
+
     inner = stage.model
     h = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
-    position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    position_ids = sequence.position_ids(h.shape[1], stage.sp_group, h.device)  # offset under Ulysses
     mask = create_causal_mask(
         config=stage.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
     )

@@ -24,7 +24,7 @@ def _is_llama(model: nn.Module) -> bool:
 
 def _ulysses(model: nn.Module, group: object) -> None:
     model.sp_group = group  # rotary positions start at this rank's sequence offset
-    for layer in model.layers:
+    for layer in model.layers.children():
         layer.attention.sp_group = group
 
 
