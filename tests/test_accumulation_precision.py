@@ -63,11 +63,22 @@ def low_precision_worker(plan_dict: dict, steps: int) -> dict:
     return tessera_run(plan_dict, "llama", GLOBAL_BATCH_DEFAULT, steps)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("zero", [0, 3])
-def test_low_precision_tracks_fp32(precision: str, zero: int) -> None:
+@pytest.mark.parametrize(
+    "precision,plan",
+    [
+        ("bf16", tessera.Plan(zero=0, precision="bf16")),
+        ("bf16", tessera.Plan(zero=3, precision="bf16")),
+        ("fp16", tessera.Plan(zero=0, precision="fp16")),
+        ("fp16", tessera.Plan(zero=3, precision="fp16")),
+        ("bf16", tessera.Hybrid(pp=2, microbatches=2, precision="bf16")),  # scaling inside the schedule
+        ("fp16", tessera.Hybrid(pp=2, microbatches=2, precision="fp16")),
+    ],
+    ids=["bf16-ddp", "bf16-zero3", "fp16-ddp", "fp16-zero3", "bf16-pp2", "fp16-pp2"],
+)
+def test_low_precision_tracks_fp32(precision: str, plan: tessera.Plan) -> None:
     steps = 3
-    got = run_ranks(low_precision_worker, 2, tessera.Plan(zero=zero, precision=precision).to_dict(), steps)[0]
+    zero = plan.zero
+    got = run_ranks(low_precision_worker, 2, plan.to_dict(), steps)[0]
     want = reference_run("llama", GLOBAL_BATCH_DEFAULT, steps)
     # Losses within bf16/fp16 rounding of fp32 ...
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=2e-2, atol=0)
@@ -79,6 +90,36 @@ def test_low_precision_tracks_fp32(precision: str, zero: int) -> None:
         assert err < 0.15, f"{precision} zero={zero}: update of {k} differs from fp32 by {err:.3f} (relative)"
     # fp32 master weights: parameters stay fp32.
     assert all(t.dtype == torch.float32 for t in got["params"].values())
+
+
+def pipeline_accumulation_worker(plan_dict: dict) -> dict:
+    """Two execute_pipeline calls (half the batch each, loss halved) per optimizer step."""
+    model = build_model("llama:4")
+    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
+    model, opt = booster.boost(model, make_optimizer(model.parameters()))
+    loader = iter(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH_DEFAULT, seed=0))
+    losses = []
+    for _ in range(2):
+        total = 0.0
+        for _ in range(2):
+            loss = booster.execute_pipeline(next(loader), model, lambda out, y: loss_fn(out, y) / 2, opt)
+            total += float(booster.reduce_loss(loss))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "params": booster.full_state_dict(model)}
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_accumulating_pipeline_steps_equals_big_batch(zero: int) -> None:
+    """Gradients accumulated over execute_pipeline calls are not rescaled again (torch's own
+    scale_grads would divide the accumulated sum after every call)."""
+    plan = tessera.Hybrid(pp=2, microbatches=2, zero=zero).to_dict()
+    got = run_ranks(pipeline_accumulation_worker, 4, plan)[0]
+    want = reference_run("llama:4", 2 * GLOBAL_BATCH_DEFAULT, 2)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
+    for k, v in want["params"].items():
+        torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def overflow_worker(plan_dict: dict) -> dict:
