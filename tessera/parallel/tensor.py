@@ -20,31 +20,24 @@ from tessera.models.policies import policy_for
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
+    module: nn.Module,
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` as its family's policy says; with
-    ``sequence_parallel`` the norms also run on sequence shards (Megatron split/gather), with
-    ``loss_parallel`` the logits stay split over the vocabulary."""
+    """Shard ``module`` (``model`` itself, or one of its pipeline stages) in place over ``tp_mesh``
+    as the model family's policy says: the styles for the submodules ``module`` holds, then the
+    policy's ``after_tp`` repair. ``sequence_parallel``: norms on sequence shards too (Megatron
+    split/gather); ``loss_parallel``: logits stay split over the vocabulary. The caller checks
+    the sizes first (``Policy.check_tp``), before any group exists."""
     policy = policy_for(model)
-    policy.check_tp(model, tp_mesh.size())
-    parallelize_module(model, tp_mesh, policy.tensor_plan(model, sequence_parallel, loss_parallel))
+    names = [name for name, _ in module.named_modules()]
+    styles = policy.tensor_plan(model, sequence_parallel, loss_parallel)
+    parallelize_module(module, tp_mesh, {k: v for k, v in styles.items() if any(fnmatch(n, k) for n in names)})
     if policy.after_tp is not None:
-        policy.after_tp(model, tp_mesh.size())
-    return model
-
-
-def apply_tensor_parallel_to_stage(
-    stage: nn.Module, model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = False
-) -> nn.Module:
-    """Shard one pipeline stage of ``model``: the policy's styles for the modules the stage holds."""
-    names = [name for name, _ in stage.named_modules()]
-    styles = policy_for(model).tensor_plan(model, loss_parallel=loss_parallel)
-    plan = {key: style for key, style in styles.items() if any(fnmatch(n, key) for n in names)}
-    parallelize_module(stage, tp_mesh, plan)
-    policy = policy_for(model)
-    if policy.after_tp is not None:
-        policy.after_tp(stage, tp_mesh.size())
-    return stage
+        policy.after_tp(module, tp_mesh.size())
+    return module
 
 
 @torch.no_grad()
