@@ -40,10 +40,9 @@ from tessera.parallel.pipeline import (
     average_gradients,
     check_microbatches,
     split_model,
-    tied_names,
 )
 from tessera.parallel.recompute import apply_recompute
-from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel, apply_tensor_parallel_to_stage
+from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
@@ -98,7 +97,8 @@ class Booster:
                     "build the optimizer from model.parameters()."
                 )
         if self.plan.pp > 1:
-            wrapped = self._boost_pipeline(model)
+            # Tied weights are read here, before tp or FSDP replace parameters per module and hide the sharing.
+            wrapped = self._boost_pipeline(model, [n for n in names.values() if len(n) > 1])
         else:
             if self.plan.tp > 1:
                 policy_for(model).check_tp(model, self.plan.tp)  # before any group is created
@@ -106,7 +106,7 @@ class Booster:
                     model.to(self.device)
                 split_gather = self.plan.sp > 1 and self.plan.sp_mode == "split_gather"
                 apply_tensor_parallel(
-                    model, self.mesh["tp"], sequence_parallel=split_gather, loss_parallel=self.plan.loss_parallel
+                    model, model, self.mesh["tp"], sequence_parallel=split_gather, loss_parallel=self.plan.loss_parallel
                 )
             if self.plan.ulysses_size > 1:
                 policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
@@ -125,30 +125,31 @@ class Booster:
             inner = build(groups)
         return wrapped, BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
 
-    def _boost_pipeline(self, model: nn.Module) -> PipelineModel:
-        """Cut ``model`` into this rank's stages, lay each out (tp, recompute, ZeRO) and build the schedule."""
+    def _boost_pipeline(self, model: nn.Module, tied: list[list[str]]) -> PipelineModel:
+        """Cut ``model`` into this rank's stages, lay each out (tp, recompute, ZeRO) and build the schedule.
+        ``tied``: the names of each parameter the model uses under several names."""
         policy = policy_for(model, "pipeline parallelism")
         layout = policy.pipeline_layout(model)
         if self.plan.tp > 1:
             policy.check_tp(model, self.plan.tp)
         pp_mesh = self.mesh["pp"]
-        tied = tied_names(model)
+        ranges = self.plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), self.plan.pp)
         sp_group = self.mesh.get_group("sp") if self.plan.ulysses_size > 1 else None
         if sp_group is not None:  # on the whole model: attention modules and config are shared with the stages
             policy.enable_ulysses(model, sp_group)
-        stages = split_model(model, layout, self.plan.pipeline, self.plan.pp, pp_mesh.get_local_rank())
+        stages = split_model(model, layout, ranges, self.plan.pipeline.schedule, self.plan.pp, pp_mesh.get_local_rank())
         for _, stage in stages:
             stage.sp_group = sp_group  # positions start at this rank's sequence offset
             stage.to(self.device)
             if self.plan.tp > 1:
-                apply_tensor_parallel_to_stage(stage, model, self.mesh["tp"], loss_parallel=self.plan.loss_parallel)
+                apply_tensor_parallel(stage, model, self.mesh["tp"], loss_parallel=self.plan.loss_parallel)
             apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
             data_parallel.apply_data_parallel(stage, self.plan, self.grad_mesh, self.device)
-        n_layers = len(model.get_submodule(layout.layers))
-        n_stages = len(self.plan.pipeline.stage_ranges(n_layers, self.plan.pp))
         pipeline_model = PipelineModel(stages)
-        self._tied = TiedWeights(tied, pipeline_model, layout, self.plan.pipeline, n_layers, self.mesh)
-        self._pipeline = PipelineRunner(pipeline_model, self.plan.pipeline, n_stages, pp_mesh.get_group(), self.device)
+        self._tied = TiedWeights(tied, pipeline_model, layout, ranges, self.plan.pipeline.schedule, self.mesh)
+        self._pipeline = PipelineRunner(
+            pipeline_model, self.plan.pipeline, len(ranges), pp_mesh.get_group(), self.device
+        )
         return pipeline_model
 
     @property

@@ -36,6 +36,8 @@ from tessera.models.policies.base import PipelineLayout
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineSpec
 
+Ranges = tuple[tuple[int, int], ...]  # (first, end) layers of each stage
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -97,20 +99,18 @@ def stage_owners(pp: int, n_stages: int, schedule: str) -> dict[int, int]:
 
 
 def split_model(
-    model: nn.Module, layout: PipelineLayout, spec: PipelineSpec, pp: int, pp_rank: int
+    model: nn.Module, layout: PipelineLayout, ranges: Ranges, schedule: str, pp: int, pp_rank: int
 ) -> list[tuple[int, StageModule]]:
-    """This rank's stages of ``model`` as ``(stage index, module)`` pairs."""
-    n_layers = len(model.get_submodule(layout.layers))
-    ranges = spec.stage_ranges(n_layers, pp)
+    """This rank's stages of ``model`` (layer ``ranges`` per stage) as ``(stage index, module)`` pairs."""
     last = len(ranges) - 1
     return [
         (i, StageModule(model, layout, *ranges[i], is_first=i == 0, is_last=i == last))
-        for i, owner in stage_owners(pp, len(ranges), spec.schedule).items()
+        for i, owner in stage_owners(pp, len(ranges), schedule).items()
         if owner == pp_rank
     ]
 
 
-def _stage_of(name: str, layout: PipelineLayout, ranges: tuple[tuple[int, int], ...]) -> int | None:
+def _stage_of(name: str, layout: PipelineLayout, ranges: Ranges) -> int | None:
     """The stage that holds parameter ``name`` (None: a module every stage holds)."""
     if any(name.startswith(m + ".") for m in layout.first):
         return 0
@@ -121,15 +121,6 @@ def _stage_of(name: str, layout: PipelineLayout, ranges: tuple[tuple[int, int], 
         layer = int(name[len(prefix) :].split(".")[0])
         return next(i for i, (first, end) in enumerate(ranges) if first <= layer < end)
     return None
-
-
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter that has several (tied weights). Read before any wrapping:
-    tensor parallelism and FSDP replace parameters per module, which hides the sharing."""
-    by_param: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name)
-    return [names for names in by_param.values() if len(names) > 1]
 
 
 class TiedWeights:
@@ -145,12 +136,11 @@ class TiedWeights:
         tied: list[list[str]],
         local: nn.Module,
         layout: PipelineLayout,
-        spec: PipelineSpec,
-        n_layers: int,
+        ranges: Ranges,
+        schedule: str,
         mesh: DeviceMesh,
     ) -> None:
-        ranges = spec.stage_ranges(n_layers, mesh.size(0))
-        owners = stage_owners(mesh.size(0), len(ranges), spec.schedule)
+        owners = stage_owners(mesh.size(0), len(ranges), schedule)
         held = dict(local.named_parameters())
         grid = mesh.mesh  # global ranks, pp first
         self.synced: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
@@ -160,7 +150,7 @@ class TiedWeights:
             if len(holders) < 2:  # one rank holds every use (V schedules): gradients meet locally ...
                 if len({id(held[n]) for n in names if n in held}) > 1:  # ... unless wrapping split the tie
                     raise PlanError(
-                        f"tied parameters {names} sit on two stages of one rank under schedule {spec.schedule!r}, "
+                        f"tied parameters {names} sit on two stages of one rank under schedule {schedule!r}, "
                         "and sharding each stage (tensor parallelism or ZeRO-2/3) made two copies that would drift "
                         "apart: use a looped schedule (1f1b, interleaved_1f1b, ...), or ZeRO-0/1 without tp."
                     )
