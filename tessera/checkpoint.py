@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera import faults
+from tessera.data.sharding import map_tensors
 from tessera.parallel.zero1 import ShardedOptimizer
 
 
@@ -94,13 +95,12 @@ def _storable(placements: tuple) -> tuple | None:
 
 def _to_storable(tree: Any) -> Any:
     """``tree`` with every DTensor DCP cannot store redistributed to placements it can (a copy)."""
-    if isinstance(tree, dict):
-        return {k: _to_storable(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_storable(v) for v in tree]
-    if isinstance(tree, DTensor) and (placements := _storable(tree.placements)) is not None:
-        return tree.redistribute(placements=placements)
-    return tree
+
+    def storable(t: torch.Tensor) -> torch.Tensor:
+        placements = _storable(t.placements) if isinstance(t, DTensor) else None
+        return t.redistribute(placements=placements) if placements is not None else t
+
+    return map_tensors(tree, storable)
 
 
 def _from_storable(loaded: Any, like: Any) -> Any:
