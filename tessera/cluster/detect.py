@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,14 +46,17 @@ def catalog_name(device_name: str, memory_gib: float) -> str | None:
     return None
 
 
-def _timed(fn: object, repeats: int) -> float:
-    fn()  # warm-up
-    start = time.perf_counter()
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls, after one warm-up call (GPU work waited for)."""
+    fn()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def measure_peaks(device: torch.device, size: int = 1024, repeats: int = 5) -> dict[str, float]:
@@ -59,7 +65,7 @@ def measure_peaks(device: torch.device, size: int = 1024, repeats: int = 5) -> d
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
-        seconds = _timed(lambda a=a, b=b: a @ b, repeats)
+        seconds = median_seconds(lambda a=a, b=b: a @ b, repeats)
         peaks[dtype_name] = round(2 * size**3 / seconds / 1e12, 4)
     return peaks
 
@@ -68,7 +74,7 @@ def measure_bandwidth(device: torch.device, n_bytes: int = 256 << 20, repeats: i
     """Achieved copy bandwidth in GB/s (read plus write)."""
     src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), repeats)
+    seconds = median_seconds(lambda: dst.copy_(src), repeats)
     return round(2 * n_bytes / seconds / 1e9, 1)
 
 

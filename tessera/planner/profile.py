@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
-import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -32,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.cluster.catalog import DeviceType
+from tessera.cluster.detect import median_seconds
 
 
 class SavedBytes:
@@ -114,25 +113,13 @@ def model_key(model: nn.Module) -> str:
     return f"{type(model).__name__}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _profile_part(
     part: nn.Module, make_input: Callable[[int], torch.Tensor], batch_sizes: tuple[int, ...], repeats: int
 ) -> LayerProfile:
     prof = LayerProfile(param_bytes=sum(p.numel() * p.element_size() for p in part.parameters()))
     for b in batch_sizes:
         x = make_input(b)
-        prof.forward_s[b] = _median_time(lambda x=x: part(x), repeats)
+        prof.forward_s[b] = median_seconds(lambda x=x: part(x), repeats)
         counter = SavedBytes(exclude=[*part.parameters(), *part.buffers()])
         with counter.track():
             out = part(x)
@@ -144,7 +131,7 @@ def _profile_part(
             out.backward(grad)
 
         # Backward alone: (forward + backward) minus forward.
-        prof.backward_s[b] = max(_median_time(backward, repeats) - prof.forward_s[b], 0.0)
+        prof.backward_s[b] = max(median_seconds(backward, repeats) - prof.forward_s[b], 0.0)
         part.zero_grad(set_to_none=True)
     return prof
 
@@ -233,7 +220,7 @@ def measure_links(
     out: dict[str, dict[int, float]] = {"all_reduce": {}, "p2p": {}}
     for size in sizes:
         t = torch.ones(size // 4, device=device)
-        seconds = _median_time(lambda t=t: dist.all_reduce(t, group=group), repeats)
+        seconds = median_seconds(lambda t=t: dist.all_reduce(t, group=group), repeats)
         out["all_reduce"][size] = 2 * (world - 1) / world * size / seconds / 1e9
         if world > 1:
             peer = dist.get_global_rank(group, 1 - rank) if rank < 2 else -1
@@ -245,5 +232,5 @@ def measure_links(
                     dist.recv(t, peer)
                 dist.barrier(group=group)
 
-            out["p2p"][size] = size / _median_time(p2p, repeats) / 1e9
+            out["p2p"][size] = size / median_seconds(p2p, repeats) / 1e9
     return out
