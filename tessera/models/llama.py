@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import PlanError
+from tessera.parallel.sequence import sequence_start, ulysses_attention
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def rotary_positions(module: nn.Module, seq: int) -> tuple[torch.Tensor, torch.T
 
     Under sequence parallelism the input is this rank's slice: positions start at its offset.
     """
-    start = seq * torch.distributed.get_rank(module.sp_group) if module.sp_group is not None else 0
+    start = sequence_start(seq, module.sp_group)
     if start + seq > module.rope_cos.shape[0]:
         raise ValueError(f"sequence length {start + seq} exceeds LlamaConfig.max_seq_len={module.rope_cos.shape[0]}")
     return module.rope_cos[start : start + seq], module.rope_sin[start : start + seq]
@@ -103,8 +104,6 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.sp_group is not None:  # this rank holds a slice of the sequence
-            from tessera.parallel.sequence import ulysses_attention
-
             out = ulysses_attention(q, k, v, self.sp_group)
             return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.

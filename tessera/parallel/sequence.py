@@ -76,10 +76,15 @@ def ulysses_attention(
     return heads_to_seq(out, group)
 
 
+def sequence_start(seq: int, group: dist.ProcessGroup | None) -> int:
+    """Position of this rank's first token: its ``seq``-token slice starts at rank × seq under
+    Ulysses (``group``), at 0 without sequence parallelism."""
+    return seq * dist.get_rank(group) if group is not None else 0
+
+
 def position_ids(seq: int, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """Positions of this rank's ``seq`` tokens, shape (1, seq): its slice starts at rank × seq
-    under Ulysses (``group``), at 0 without sequence parallelism."""
-    start = seq * dist.get_rank(group) if group is not None else 0
+    """Positions of this rank's ``seq`` tokens, shape (1, seq)."""
+    start = sequence_start(seq, group)
     return torch.arange(start, start + seq, device=device).unsqueeze(0)
 
 
