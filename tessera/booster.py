@@ -64,8 +64,9 @@ class Booster:
         # Ranks are laid out (pp, dp, tp) or (pp, dp, sp) row-major, as init_device_mesh does: the
         # ranks of one tp or sp group are neighbours and share their samples, and every stage of
         # one pipeline reads the same samples.
-        self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
-        self.sp_rank = dist.get_rank() % self.plan.ulysses_size
+        position = self.plan.position(dist.get_rank())
+        self.dp_rank = (position // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
+        self.sp_rank = position % self.plan.ulysses_size
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         self._grad_mesh: DeviceMesh | None = None
         shares = self.plan.shares()
@@ -163,7 +164,11 @@ class Booster:
                 shape, names = [self.plan.dp, self.plan.sp], ["dp", "sp"]
             if self.plan.pp > 1:  # outermost: stages talk point-to-point, the cheapest traffic for slow links
                 shape, names = [self.plan.pp, *shape], ["pp", *names]
-            self._mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
+            if self.plan.mesh_ranks is None:
+                self._mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
+            else:  # the planner's placement: position i of the row-major mesh is rank mesh_ranks[i]
+                ranks = torch.tensor(self.plan.mesh_ranks).reshape(shape)
+                self._mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=tuple(names))
         return self._mesh
 
     @property

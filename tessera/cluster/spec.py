@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,13 @@ class Cluster:
     def world_size(self) -> int:
         return sum(n.count for n in self.nodes)
 
+    @cached_property
+    def _by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
+        if name in self._by_name:
+            return self._by_name[name]
         raise ClusterError(f"no node named {name!r}{nearest(name, [n.name for n in self.nodes])}.")
 
     def device_type(self, node: str) -> DeviceType:

@@ -1,0 +1,228 @@
+"""The closed-form cost model: step time and memory per device of a :class:`Layout`, and an OOM verdict.
+
+Time. Each replica runs its ``m`` micro-batches through its stages. Under 1f1b, a micro-batch's
+round trip through stage ``s`` (its forward, every later stage's forward and backward with the
+transfers, ``D_s``, its backward) takes ``F_s + D_s + B_s``, and at most ``w_s = min(m, pp − s)``
+micro-batches are in flight from ``s``. The makespan is the slowest stage's path::
+
+    pipeline = max_s [ Σ_{k<s} (F_k + B_k + 2 c_k)
+                       + max( m (F_s + B_s) + max(0, D_s − (w_s − 1) F_s),     # busy
+                              (m − 1) P_s + F_s + D_s + B_s ) ]                  # flow
+    P_s = max(F_s, L_s)                            when m ≤ w_s (all leave in warm-up)
+    P_s = max(F_s + B_s, L_s, (F_s + D_s + B_s) / w_s)  otherwise,  L_s = max_{k>s} (F_k + B_k)
+
+gpipe is two flow shops, forwards then backwards: ``Σ (F + B + 2c) + (m − 1)(max F + max B)``.
+The simulator replays the same schedules event by event; the tests hold the two within 5%.
+
+Stage ``s`` of a replica finishes its last backward ``Σ_{k<s} (B_k + transfer_k)`` before the
+replica's pipeline ends. Every stage's data-parallel group then synchronises gradients (it
+waits for its slowest replica: shares are uneven on purpose) and steps its optimizer::
+
+    step = max_s ( max_replica finish_s + grad_sync_s + optimizer_s )
+
+Communication is not overlapped with compute: a conservative model that ranks plans the
+same way an overlapping one would whenever communication is small, and says so when it is not.
+
+Memory per device: fp32 parameters, gradients and two Adam moments (16 bytes per parameter),
+divided over the data-parallel group by ZeRO stage, minus what offload keeps on the host; saved
+activations of the micro-batches a stage holds at once (1f1b: pp − s, gpipe: m; full recompute
+keeps only each layer's input); communication buffers. A device over its usable memory
+(:data:`USABLE_MEMORY` of its capacity) makes the plan infeasible.
+
+Example:
+    >>> est = estimate(layout, costs)
+    >>> est.step_s, est.fits, est.bottleneck
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.planner.costs import ModelCosts
+from tessera.planner.layout import Layout, OpTimes, ReplicaSpec, grad_sync_s, op_times, optimizer_s
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket: the all-reduce's staging copy
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Predicted peak bytes on one device of one replica class and stage."""
+
+    replica: int
+    stage: int
+    device: str
+    model_state: float
+    activations: float
+    buffers: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the cost model predicts for one Layout."""
+
+    step_s: float
+    tokens_per_s: float
+    memory: tuple[DeviceMemory, ...]
+    pipeline_s: tuple[float, ...]  # per replica class
+    sync_s: tuple[float, ...]  # per stage
+    optimizer_s: float
+    bottleneck: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return all(m.fits for m in self.memory)
+
+    @property
+    def over_memory(self) -> list[DeviceMemory]:
+        return [m for m in self.memory if not m.fits]
+
+
+def pipeline_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> float:
+    """Makespan of one replica's micro-batches through its stages (see the module docstring)."""
+    m, pp = microbatches, len(times.forward)
+    if schedule == "gpipe" or pp == 1:  # all forwards flow through, then all backwards
+        return (
+            sum(times.forward) + sum(times.backward) + 2 * sum(times.transfer)
+            + (m - 1) * (max(times.forward) + max(times.backward))
+        )  # fmt: skip
+    # 1f1b, per stage s, whichever limit is later; the slowest stage's is the makespan.
+    # Busy: all m forwards and backwards, after waiting for the first backward (the round trip D
+    # through every later stage) less the w − 1 warm-up forwards that fill that wait.
+    # Flow: when all m fit in the w warm-up slots they leave s back to back, one per max(F, the
+    # slowest later F + B); else one leaves every max(F + B, slowest later F + B, (F + D + B)/w:
+    # only w are in flight). The last one's round trip ends the stage.
+    worst, before_f, before_b = 0.0, 0.0, 0.0
+    for s in range(pp):
+        f, b = times.forward[s], times.backward[s]
+        later = sum(times.forward[s + 1 :]) + sum(times.backward[s + 1 :]) + 2 * sum(times.transfer[s:])
+        w = min(m, pp - s)
+        busy = m * (f + b) + max(0.0, later - (w - 1) * f)
+        slowest_later = max((times.forward[k] + times.backward[k] for k in range(s + 1, pp)), default=0.0)
+        if m <= w:  # every micro-batch leaves in warm-up, back to back, as fast as later stages take them
+            flow = (m - 1) * max(f, slowest_later) + f + later + b
+        else:
+            flow = (m - 1) * max(f + b, slowest_later, (f + later + b) / w) + f + later + b
+        worst = max(worst, before_f + max(busy, flow) + before_b)
+        if s < pp - 1:
+            before_f += f + times.transfer[s]
+            before_b += b + times.transfer[s]
+    return worst
+
+
+def stage_finish_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> list[float]:
+    """When each stage of a replica finishes its last backward, from the replica's start."""
+    end = pipeline_s(times, microbatches, schedule)
+    finish, tail = [], 0.0
+    for s in range(len(times.forward)):
+        finish.append(end - tail)
+        tail += times.backward[s] + (times.transfer[s] if s < len(times.transfer) else 0.0)
+    return finish
+
+
+def step_time(layout: Layout, costs: ModelCosts) -> tuple[float, list[float], list[float], float]:
+    """(step seconds, pipeline seconds per replica class, sync seconds per stage, slowest optimizer step)."""
+    times = [op_times(layout, costs, r) for r in layout.replicas]
+    finish = [stage_finish_s(t, layout.microbatches, layout.schedule) for t in times]
+    syncs = [grad_sync_s(layout, costs, s) for s in range(layout.pp)]
+    opts = [max(optimizer_s(layout, costs, s, r.units[s]) for r in layout.replicas) for s in range(layout.pp)]
+    step = max(max(f[s] for f in finish) + syncs[s] + opts[s] for s in range(layout.pp))
+    return step, [pipeline_s(t, layout.microbatches, layout.schedule) for t in times], syncs, max(opts)
+
+
+def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage: int) -> tuple[float, float, float]:
+    """(model state, activations, buffers) bytes on one device of ``replica`` at ``stage``."""
+    first, end = layout.stages[stage]
+    local = costs.stage_params(first, end) / layout.tp
+    dp, zero = layout.dp, layout.zero
+    params = 4 * local / (dp if zero >= 3 else 1)
+    grads = 4 * local / (dp if zero >= 2 else 1)
+    optim = 8 * local / (dp if zero >= 1 else 1)
+    if layout.offload:  # optimizer state lives on the host; ZeRO-3 offload keeps parameters and grads there too
+        optim = 0.0
+        if zero == 3:
+            params = grads = 0.0
+    b, m = replica.micro_batch, layout.microbatches
+    held = m if layout.schedule == "gpipe" else min(m, layout.pp - stage)
+    if layout.pp == 1:
+        held = 1  # accumulation: one micro-batch's activations at a time
+    blocks = end - first
+    block_act = costs.parts["block"].activation_bytes * b / layout.tp
+    if layout.recompute == "full":
+        activations = held * blocks * costs.boundary_bytes(b) + block_act
+    else:
+        activations = held * blocks * block_act
+    activations += held * costs.edge_activation_bytes(first, end) * b
+    if zero == 3:  # one block's parameters gathered, and the next one prefetched
+        buffers = 2 * 4 * costs.parts["block"].params / layout.tp
+    else:
+        buffers = min(4 * local, DDP_BUCKET_BYTES) if dp > 1 else 0.0
+    return params + grads + optim, activations, buffers
+
+
+def fits(layout: Layout, costs: ModelCosts) -> bool:
+    """Whether every device of ``layout`` stays within its usable memory."""
+    return all(
+        sum(device_memory(layout, costs, replica, s)) <= unit.memory_bytes
+        for replica in layout.replicas
+        for s, unit in enumerate(replica.units)
+    )
+
+
+def estimate(layout: Layout, costs: ModelCosts) -> Estimate:
+    """Step time, throughput, memory per device and the bottleneck of ``layout``."""
+    step, pipes, syncs, opt = step_time(layout, costs)
+    memory = []
+    for i, replica in enumerate(layout.replicas):
+        for s, unit in enumerate(replica.units):
+            state, act, buf = device_memory(layout, costs, replica, s)
+            memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
+    tokens = layout.global_batch * costs.seq_len
+    breakdown = _breakdown(layout, costs, step, syncs, opt)
+    return Estimate(
+        step, tokens / step, tuple(memory), tuple(pipes), tuple(syncs), opt, _bottleneck(layout, breakdown), breakdown
+    )
+
+
+def _breakdown(layout: Layout, costs: ModelCosts, step: float, syncs: list[float], opt: float) -> dict[str, float]:
+    """Seconds of the step by cause, on the critical replica's busiest stage."""
+    worst = max(
+        layout.replicas, key=lambda r: pipeline_s(op_times(layout, costs, r), layout.microbatches, layout.schedule)
+    )
+    times = op_times(layout, costs, worst)
+    busiest = max(range(layout.pp), key=lambda s: times.forward[s] + times.backward[s])
+    compute = layout.microbatches * (times.forward[busiest] + times.backward[busiest])
+    sync = max(syncs)
+    return {
+        "compute": compute,
+        "gradient sync": sync,
+        "optimizer": opt,
+        "pipeline bubble and transfers": max(step - compute - sync - opt, 0.0),
+        "busiest stage": float(busiest),
+    }
+
+
+def _bottleneck(layout: Layout, breakdown: dict[str, float]) -> str:
+    """The largest share of the step, in words."""
+    parts = {k: v for k, v in breakdown.items() if k != "busiest stage"}
+    total = sum(parts.values()) or 1.0
+    cause = max(parts, key=lambda k: parts[k])
+    share = parts[cause] / total
+    stage = int(breakdown["busiest stage"])
+    if cause == "compute":
+        where = f" on stage {stage}" if layout.pp > 1 else ""
+        return f"compute{where} ({share:.0%} of the step)"
+    if cause == "gradient sync":
+        return f"gradient sync over the data-parallel link ({share:.0%} of the step)"
+    if cause == "optimizer":
+        return f"optimizer step{' on the host' if layout.offload else ''} ({share:.0%} of the step)"
+    return f"pipeline bubble and stage transfers ({share:.0%} of the step)"

@@ -1,0 +1,204 @@
+"""A Plan placed on a cluster, in the compact form the cost model, simulator and search read.
+
+A :class:`Layout` is a Plan's sizes plus, for every data-parallel replica, the device at each of
+its pipeline stages. Replicas that are alike (same devices, same micro-batch size) are one
+:class:`ReplicaSpec` with a count, so a 4,096-device layout of six device types is a handful of
+entries, not 4,096. :func:`op_times` turns a replica into per-stage forward, backward and
+transfer seconds: the inputs both the closed-form cost model and the simulator compose.
+
+Example:
+    >>> layout = layout_from_plan(plan, cluster, global_batch=64)
+    >>> op_times(layout, costs, layout.replicas[0])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.cluster.spec import Cluster, Link
+from tessera.errors import PlanError
+from tessera.plan import Plan
+from tessera.planner.costs import ModelCosts
+
+# A device the planner may not fill to the brim: allocator fragmentation and the runtime's own
+# buffers (CUDA context, workspace) take the rest.
+USABLE_MEMORY = 0.9
+# Host ↔ device copies for offload (PCIe 4.0 x16, one direction) and the host's own memory bandwidth.
+HOST_LINK = Link(25.0, 10.0)
+HOST_BANDWIDTH_GBS = 50.0
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One tensor-parallel group (``tp`` devices of one stage of one replica), by its slowest member."""
+
+    device: str  # device type name
+    peak_tflops: float
+    memory_bytes: float  # the smallest member's usable memory
+    bandwidth_gbs: float
+    tp_link: Link  # slowest link inside the group (unused when tp == 1)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """``count`` alike data-parallel replicas: their unit per stage and micro-batch size."""
+
+    count: int
+    units: tuple[UnitSpec, ...]
+    p2p: tuple[Link, ...]  # link from stage s to s + 1
+    micro_batch: int  # samples per micro-batch (a replica's share is micro_batch × microbatches)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A Plan's sizes and choices with the devices it runs on; see the module docstring."""
+
+    pp: int
+    dp: int
+    tp: int
+    stages: tuple[tuple[int, int], ...]
+    microbatches: int
+    schedule: str
+    zero: int
+    offload: bool
+    recompute: str
+    replicas: tuple[ReplicaSpec, ...]
+    dp_links: tuple[Link, ...]  # per stage: slowest link among that stage's data-parallel group
+
+    @property
+    def global_batch(self) -> int:
+        return sum(r.count * r.micro_batch for r in self.replicas) * self.microbatches
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """Seconds of one micro-batch's forward and backward on each stage, and of each stage-to-stage transfer."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    transfer: tuple[float, ...]  # stage s → s + 1 (the same back for the gradient)
+
+
+def all_reduce_s(n_bytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``n_bytes`` over ``n`` ranks joined by ``link`` (reduce-scatter + all-gather)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * n_bytes / (link.bandwidth_gbs * 1e9) + 2 * (n - 1) * link.latency_us * 1e-6
+
+
+def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes:
+    """Per-stage forward/backward seconds for one micro-batch of ``replica``, and transfer seconds.
+
+    Compute is split evenly over the tp ranks; Megatron tensor parallelism adds two all-reduces
+    of the hidden states per block in forward and two in backward. Full recompute runs the
+    forward again inside backward.
+    """
+    b = replica.micro_batch
+    hidden_bytes = costs.boundary_bytes(b)
+    forward, backward = [], []
+    for (first, end), unit in zip(layout.stages, replica.units):
+        compute = costs.stage_forward_s(first, end, b, unit.peak_tflops) / layout.tp
+        tp_comm = 2 * (end - first) * all_reduce_s(hidden_bytes, layout.tp, unit.tp_link)
+        f = compute + tp_comm
+        bwd = costs.backward_ratio * compute + tp_comm
+        if layout.recompute == "full":
+            bwd += f
+        forward.append(f)
+        backward.append(bwd)
+    transfer = tuple(link.seconds(hidden_bytes) for link in replica.p2p)
+    return OpTimes(tuple(forward), tuple(backward), transfer)
+
+
+def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
+    """Data-parallel gradient synchronisation of one stage's parameters (fp32 gradients).
+
+    ZeRO-0/1/2 move one all-reduce's volume (ZeRO-1/2 as reduce-scatter + all-gather); ZeRO-3
+    also gathers the parameters for forward, 1.5 × the volume.
+    """
+    first, end = layout.stages[stage]
+    grad_bytes = 4 * costs.stage_params(first, end) / layout.tp
+    factor = 1.5 if layout.zero == 3 else 1.0
+    return factor * all_reduce_s(grad_bytes, layout.dp, layout.dp_links[stage])
+
+
+def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -> float:
+    """Adam step time: memory-bound over fp32 params, grads and two moments; on the host when offloaded."""
+    first, end = layout.stages[stage]
+    local = costs.stage_params(first, end) / layout.tp / (layout.dp if layout.zero >= 1 else 1)
+    if layout.offload:
+        return 2 * HOST_LINK.seconds(4 * local) + 16 * local / (HOST_BANDWIDTH_GBS * 1e9)
+    return 16 * local / (unit.bandwidth_gbs * 1e9)
+
+
+# --------------------------------------------------------------------- from a Plan
+def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> Layout:
+    """The Layout of a resolved ``plan`` on ``cluster`` (ranks are cluster devices in file order,
+    placed on the mesh by ``plan.mesh_ranks`` when given)."""
+    world = cluster.world_size
+    plan = plan.resolve(world)
+    devices = cluster.devices()
+    order = list(plan.mesh_ranks) if plan.mesh_ranks is not None else list(range(world))
+    ranges = plan.pipeline.stage_ranges(costs.n_layers, plan.pp)
+    if len(ranges) != plan.pp:
+        raise PlanError(
+            "the planner models one stage per pipeline rank (gpipe, 1f1b); interleaved plans are not costed."
+        )
+    from tessera.data.sharding import split_batch
+
+    samples = split_batch(global_batch, plan.shares())
+    m = plan.pipeline.microbatches
+    replicas = []
+    for r in range(plan.dp):
+        units, nodes = [], []
+        for s in range(plan.pp):
+            ranks = [order[(s * plan.dp + r) * plan.tp + t] for t in range(plan.tp)]
+            units.append(unit_of(cluster, [devices[i] for i in ranks], costs.precision))
+            nodes.append(devices[ranks[0]][0])
+        if samples[r] % m:
+            raise PlanError(
+                f"data-parallel rank {r} takes {samples[r]} samples, which Plan.pipeline.microbatches={m} "
+                "does not divide."
+            )
+        p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
+        replicas.append(ReplicaSpec(1, tuple(units), p2p, samples[r] // m))
+    dp_links = tuple(
+        worst_link(cluster, {devices[order[(s * plan.dp + r) * plan.tp]][0] for r in range(plan.dp)})
+        for s in range(plan.pp)
+    )
+    return Layout(
+        plan.pp, plan.dp, plan.tp, ranges, m, plan.pipeline.schedule, plan.zero, plan.offload, plan.recompute,
+        tuple(replicas), dp_links,
+    )  # fmt: skip
+
+
+def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
+    """The UnitSpec of a tp group: the slowest peak for ``dtype``, the smallest memory, the slowest inner link."""
+    types = [t for _, _, t in members]
+    for t in types:
+        if t.peak(dtype) is None:
+            raise PlanError(
+                f"device type {t.name} has no {dtype} figure (no fast path for it): plan with another precision, "
+                f"or give device_types.{t.name}.peak_tflops.{dtype} in the cluster file."
+            )
+    slow = min(types, key=lambda t: t.peak_tflops[dtype])
+    nodes = {node for node, _, _ in members}
+    return UnitSpec(
+        slow.name,
+        slow.peak_tflops[dtype],
+        min(t.memory_gib for t in types) * 2**30 * USABLE_MEMORY,
+        min(t.bandwidth_gbs for t in types),
+        worst_link(cluster, nodes),
+    )
+
+
+def worst_link(cluster: Cluster, nodes: set[str]) -> Link:
+    """The slowest link between any two of ``nodes`` (the intra-node link for one node)."""
+    names = sorted(nodes)
+    if len(names) == 1:
+        return cluster.links["intra_node"]
+    regions = {cluster.node(n).region for n in names}
+    link = cluster.links["inter_node" if len(regions) == 1 else "inter_region"]
+    for pair, pair_link in cluster.pair_links.items():
+        if pair <= nodes and pair_link.bandwidth_gbs < link.bandwidth_gbs:
+            link = pair_link
+    return link

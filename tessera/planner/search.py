@@ -1,0 +1,570 @@
+"""The planner's search: the fastest Plans for a model on a cluster, judged by the cost model.
+
+The space (everything the runtime executes): tensor-parallel degree (groups inside one node),
+pipeline and data-parallel degrees, which devices sit at each (stage, replica) of the mesh,
+the layer range of every stage, the samples each replica takes (uneven: a slow replica takes
+fewer), micro-batch count, ZeRO stage, offload and activation recompute.
+
+How it is searched, one level at a time:
+
+1. ``tp × pp × dp`` over the degrees that divide the cluster (tp ≤ the model's heads and
+   inside a node; pp ≤ layers; dp ≤ the global batch).
+2. Device placement. Replicas are interchangeable, so placements are counted up to a
+   reordering of replicas; when there are few (small clusters) every one is tried, else the
+   canonical ones: devices sorted fast-first or slow-first, grouped by region, filling stages
+   first (each stage's group alike: the layer split follows speed) or replicas first (each
+   replica's pipeline alike: the shares follow speed).
+3. Layer split: every split when there are few, else a split in proportion to each stage's
+   speed, improved by moving one boundary at a time while the step gets faster (which also
+   moves layers off a stage that would run out of memory).
+4. Shares: the step is the slowest replica's time, each replica's time grows with its
+   micro-batch, so handing out samples one micro-batch at a time to the replica that would
+   finish soonest is optimal (the greedy is exact for a min–max of increasing functions).
+5. ZeRO stage, offload, recompute and micro-batch count: each combination, best kept.
+
+:func:`exhaustive_search` tries every placement, split and share vector instead; tests and the
+regret benchmark hold the planner to it.
+
+Example:
+    >>> best = search(cluster, costs, global_batch=64, top=3)
+    >>> best[0].plan, best[0].estimate.step_s, best[0].estimate.bottleneck
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from tessera.cluster.spec import Cluster, Link
+from tessera.errors import PlanError
+from tessera.plan import PipelineSpec, Plan
+from tessera.planner.costmodel import Estimate, device_memory, estimate, fits, stage_finish_s, step_time
+from tessera.planner.costs import ModelCosts
+from tessera.planner.layout import (
+    Layout,
+    OpTimes,
+    ReplicaSpec,
+    UnitSpec,
+    grad_sync_s,
+    op_times,
+    optimizer_s,
+    unit_of,
+    worst_link,
+)
+
+INFEASIBLE = float("inf")
+# Below these counts the search enumerates instead of using heuristics.
+PLACEMENT_LIMIT = 5000
+ENUMERATE_UNITS = 8  # a "small cluster": at most this many tp groups
+EXACT_BUDGET = 200_000  # share searches one (tp, pp) may spend on enumerating placements
+SPLIT_LIMIT = 200
+MAX_MOVES = 8  # one-layer moves from the proportional split, on large clusters
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A tensor-parallel group of devices inside one node."""
+
+    node: str
+    ranks: tuple[int, ...]
+    spec: UnitSpec
+
+
+@dataclass(frozen=True)
+class Options:
+    """The memory-versus-time choices tried for every placement."""
+
+    zero: int
+    offload: bool
+    recompute: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One planned layout: the Plan to run, its Layout and the cost model's estimate."""
+
+    plan: Plan
+    layout: Layout
+    estimate: Estimate
+    placement: str  # how devices were placed, in words
+
+
+Grid = tuple[tuple[Unit, ...], ...]  # grid[stage][replica]
+
+
+# ------------------------------------------------------------------- the space
+def units_of(cluster: Cluster, tp: int, dtype: str) -> list[Unit] | None:
+    """The cluster's devices as tp-sized groups inside nodes (None: some node's count is not a multiple of tp)."""
+    units, rank = [], 0
+    for node in cluster.nodes:
+        if node.count % tp:
+            return None
+        members = [(node.name, i, cluster.device_type(node.name)) for i in range(node.count)]
+        for i in range(0, node.count, tp):
+            units.append(
+                Unit(node.name, tuple(range(rank + i, rank + i + tp)), unit_of(cluster, members[i : i + tp], dtype))
+            )
+        rank += node.count
+    return units
+
+
+def degrees(cluster: Cluster, costs: ModelCosts, global_batch: int) -> Iterator[tuple[int, int, int]]:
+    """Every (tp, pp, dp) the cluster, model and batch allow."""
+    world = cluster.world_size
+    for tp in (1, 2, 4, 8):
+        if tp > 1 and (costs.heads % tp or any(n.count % tp for n in cluster.nodes)):
+            continue
+        for pp in range(1, min(costs.n_layers, world // tp) + 1):
+            if (world // tp) % pp or world % tp:
+                continue
+            dp = world // (tp * pp)
+            if dp <= global_batch:
+                yield tp, pp, dp
+
+
+def _columns_canonical(grid: Grid) -> Grid:
+    """The grid with replicas (columns) in a fixed order: placements equal up to a reordering are one."""
+    columns = sorted(zip(*grid), key=lambda col: tuple(u.ranks for u in col))
+    return tuple(zip(*columns))
+
+
+def placements(units: list[Unit], pp: int, dp: int, limit: int = PLACEMENT_LIMIT) -> list[tuple[str, Grid]]:
+    """Placements of ``units`` on a pp × dp grid: every distinct one when there are at most ``limit``
+    (units of one node are interchangeable), else the canonical ones (module docstring)."""
+    if len(units) <= ENUMERATE_UNITS and limit > 0:
+        found = _all_placements(units, pp, dp, limit)
+        if found is not None:
+            return found
+    return _canonical_placements(units, pp, dp)
+
+
+def _all_placements(units: list[Unit], pp: int, dp: int, limit: int) -> list[tuple[str, Grid]] | None:
+    by_node: dict[str, list[Unit]] = {}
+    for u in units:
+        by_node.setdefault(u.node, []).append(u)
+    seen: dict[tuple, Grid] = {}
+    for order in _multiset_permutations([u.node for u in units]):
+        pools = {n: iter(us) for n, us in by_node.items()}
+        cells = [next(pools[n]) for n in order]
+        grid = tuple(tuple(cells[s * dp + r] for r in range(dp)) for s in range(pp))
+        key = tuple(sorted(zip(*[[u.node for u in row] for row in grid])))
+        if key not in seen:
+            seen[key] = _columns_canonical(grid)
+            if len(seen) > limit:
+                return None
+    return [("enumerated", g) for g in seen.values()]
+
+
+def _multiset_permutations(items: list[str]) -> Iterator[tuple[str, ...]]:
+    """Distinct orderings of ``items`` (each once, however many repeats)."""
+    counts: dict[str, int] = {}
+    for x in items:
+        counts[x] = counts.get(x, 0) + 1
+    keys = sorted(counts)
+    out: list[str] = []
+
+    def rec() -> Iterator[tuple[str, ...]]:
+        if len(out) == len(items):
+            yield tuple(out)
+            return
+        for k in keys:
+            if counts[k]:
+                counts[k] -= 1
+                out.append(k)
+                yield from rec()
+                out.pop()
+                counts[k] += 1
+
+    return rec()
+
+
+def _canonical_placements(units: list[Unit], pp: int, dp: int) -> list[tuple[str, Grid]]:
+    def speed(u: Unit) -> float:
+        return u.spec.peak_tflops
+
+    orders = {
+        "fast first": sorted(units, key=lambda u: (-speed(u), u.ranks)),
+        "slow first": sorted(units, key=lambda u: (speed(u), u.ranks)),
+        "file order": list(units),
+    }
+    out, seen = [], set()
+    for name, order in orders.items():
+        for fill in ("stages", "replicas"):
+            if fill == "stages":
+                grid = tuple(tuple(order[s * dp + r] for r in range(dp)) for s in range(pp))
+            else:
+                grid = tuple(tuple(order[r * pp + s] for r in range(dp)) for s in range(pp))
+            grid = _columns_canonical(grid)
+            key = tuple(tuple(u.ranks for u in row) for row in grid)
+            if key not in seen:
+                seen.add(key)
+                out.append((f"{name}, filling {fill}", grid))
+    return out
+
+
+def splits(n_layers: int, pp: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Every split of ``n_layers`` into ``pp`` non-empty contiguous stages."""
+    for cuts in itertools.combinations(range(1, n_layers), pp - 1):
+        bounds = (0, *cuts, n_layers)
+        yield tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def proportional_split(costs: ModelCosts, speeds: list[float]) -> tuple[tuple[int, int], ...]:
+    """Layers per stage in proportion to stage speed, counting the first and last parts' work."""
+    pp, n = len(speeds), costs.n_layers
+    block = costs.parts["block"].forward_s or 1.0
+    extra = [costs.parts["first"].forward_s / block] + [0.0] * (pp - 2) + [costs.parts["last"].forward_s / block]
+    if pp == 1:
+        return ((0, n),)
+    total = n + sum(extra)
+    want = [max(1.0, total * v / sum(speeds) - e) for v, e in zip(speeds, extra)]
+    counts = [max(1, round(w * n / sum(want))) for w in want]
+    while sum(counts) > n:
+        counts[max((i for i in range(pp) if counts[i] > 1), key=lambda i: counts[i] - want[i])] -= 1
+    while sum(counts) < n:
+        counts[min(range(pp), key=lambda i: counts[i] - want[i])] += 1
+    bounds = [0, *itertools.accumulate(counts)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def option_sets(dp: int, pp: int, tp: int) -> list[Options]:
+    """ZeRO stage × offload × recompute choices valid for these degrees, roughly fastest first.
+
+    ZeRO-1/2 move what DDP moves and step a 1/dp shard of the optimizer, so they come first;
+    ZeRO-3 gathers parameters again; recompute repeats the forward; offload crosses the host link.
+    """
+    zeros = (1, 2, 0, 3) if dp > 1 else (0,)
+    out = []
+    for offload in (False, True) if pp == 1 and tp == 1 and dp > 1 else (False,):
+        for recompute in ("none", "full"):
+            out.extend(Options(zero, offload, recompute) for zero in zeros if zero or not offload)
+    return out
+
+
+# ----------------------------------------------------------- one placement
+@dataclass(frozen=True)
+class _Placed:
+    """A placement, worked out once: its replicas grouped into kinds, and each stage's dp link."""
+
+    label: str
+    grid: Grid
+    kinds: tuple[tuple[tuple[UnitSpec, ...], tuple[Link, ...], tuple[int, ...]], ...]  # (units, p2p, replicas)
+    dp_links: tuple[Link, ...]
+
+    @classmethod
+    def of(cls, cluster: Cluster, label: str, grid: Grid) -> _Placed:
+        pp, dp = len(grid), len(grid[0])
+        kinds: dict[tuple, list[int]] = {}
+        for r in range(dp):
+            column = tuple(grid[s][r] for s in range(pp))
+            p2p = tuple(cluster.link(a.node, b.node) for a, b in zip(column, column[1:]))
+            kinds.setdefault((tuple(u.spec for u in column), p2p), []).append(r)
+        dp_links = tuple(worst_link(cluster, {u.node for u in row}) for row in grid)
+        return cls(label, grid, tuple((*k, tuple(rs)) for k, rs in kinds.items()), dp_links)
+
+
+class _Evaluator:
+    """Step time of one (placement, layer split, micro-batch count, options) as shares vary."""
+
+    def __init__(self, placed: _Placed, costs: ModelCosts, tp: int, m: int, stages, options: Options):
+        pp, dp = len(placed.grid), len(placed.grid[0])
+        self.costs, self.placed = costs, placed
+        self.base = Layout(
+            pp, dp, tp, stages, m, "1f1b" if m >= pp else "gpipe", options.zero, options.offload, options.recompute,
+            (), placed.dp_links,
+        )  # fmt: skip
+        self.sync = [grad_sync_s(self.base, costs, s) for s in range(pp)]  # waits for the slowest replica
+        self._cache: dict[tuple[int, int], float] = {}
+        self._memory: list[tuple[float, float]] | None = None
+        self._ops: dict[int, list[tuple[float, float]]] = {}
+        self._tail: dict[int, list[float]] = {}
+        self._max_b: dict[int, float] = {}
+
+    def replica(self, kind: int, b: int, count: int = 1) -> ReplicaSpec:
+        units, p2p, _ = self.placed.kinds[kind]
+        return ReplicaSpec(count, units, p2p, b)
+
+    def memory_ratio(self, kind: int, b: int) -> list[float]:
+        """Each stage's predicted memory over its usable memory, for this kind of replica."""
+        if self._memory is None:  # bytes per stage are affine in the micro-batch: fixed + b × per-sample
+            at = [
+                [sum(device_memory(self.base, self.costs, self.replica(0, b), s)) for s in range(self.base.pp)]
+                for b in (0, 1)
+            ]
+            self._memory = [(fixed, one - fixed) for fixed, one in zip(*at)]
+        units = self.placed.kinds[kind][0]
+        return [(fixed + b * slope) / u.memory_bytes for (fixed, slope), u in zip(self._memory, units)]
+
+    def max_micro_batch(self, kind: int) -> float:
+        """The largest micro-batch this kind's devices hold (memory is affine in it)."""
+        if kind not in self._max_b:
+            self.memory_ratio(kind, 0)
+            units = self.placed.kinds[kind][0]
+            self._max_b[kind] = min(
+                (u.memory_bytes - fixed) / slope if slope > 0 else (INFEASIBLE if fixed <= u.memory_bytes else -1.0)
+                for (fixed, slope), u in zip(self._memory, units)
+            )
+        return self._max_b[kind]
+
+    def op_times(self, kind: int, b: int) -> OpTimes:
+        """Per-stage seconds of one micro-batch of ``b``: affine in ``b``, so worked out once per kind."""
+        if kind not in self._ops:
+            one, two = (op_times(self.base, self.costs, self.replica(kind, n)) for n in (1, 2))
+            self._ops[kind] = [(2 * x - y, y - x) for x, y in zip(_flat(one), _flat(two))]
+        values = [fixed + b * slope for fixed, slope in self._ops[kind]]
+        pp = self.base.pp
+        return OpTimes(tuple(values[:pp]), tuple(values[pp : 2 * pp]), tuple(values[2 * pp :]))
+
+    def time(self, kind: int, b: int) -> float:
+        """Step time if this kind's replicas ran micro-batches of ``b`` (inf: out of memory)."""
+        key = (kind, b)
+        if key not in self._cache:
+            if b > self.max_micro_batch(kind):
+                self._cache[key] = INFEASIBLE
+            else:
+                if kind not in self._tail:  # after the slowest replica: sync, then this kind's optimizer step
+                    units = self.placed.kinds[kind][0]
+                    self._tail[kind] = [
+                        self.sync[s] + optimizer_s(self.base, self.costs, s, u) for s, u in enumerate(units)
+                    ]
+                finish = stage_finish_s(self.op_times(kind, b), self.base.microbatches, self.base.schedule)
+                self._cache[key] = max(f + t for f, t in zip(finish, self._tail[kind]))
+        return self._cache[key]
+
+    def shares(self, units_total: int) -> tuple[float, list[int]] | None:
+        """Greedy micro-batch sizes per replica summing to ``units_total``; (step, sizes) or None if nothing fits."""
+        dp = self.base.dp
+        if units_total < dp or any(self.time(k, 1) == INFEASIBLE for k in range(len(self.placed.kinds))):
+            return None
+        size = [1] * dp
+        heap = [(self.time(k, 2), k, r) for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs]
+        heapq.heapify(heap)
+        for _ in range(units_total - dp):
+            t, k, r = heapq.heappop(heap)
+            if t == INFEASIBLE:
+                return None
+            size[r] += 1
+            heapq.heappush(heap, (self.time(k, size[r] + 1), k, r))
+        kind_of = self.kind_of()
+        return max(self.time(kind_of[r], size[r]) for r in range(dp)), size
+
+    def kind_of(self) -> dict[int, int]:
+        return {r: k for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs}
+
+    def layout(self, sizes: list[int]) -> Layout:
+        kind_of = self.kind_of()
+        groups: dict[tuple[int, int], int] = {}
+        for r, b in enumerate(sizes):
+            groups[(kind_of[r], b)] = groups.get((kind_of[r], b), 0) + 1
+        replicas = tuple(self.replica(k, b, n) for (k, b), n in sorted(groups.items()))
+        return replace(self.base, replicas=replicas)
+
+
+# -------------------------------------------------------------------- search
+def search(
+    cluster: Cluster,
+    costs: ModelCosts,
+    global_batch: int,
+    top: int = 5,
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    placement_limit: int = PLACEMENT_LIMIT,
+    split_limit: int = SPLIT_LIMIT,
+    budget: int = EXACT_BUDGET,
+) -> list[Candidate]:
+    """The ``top`` fastest Plans that fit in memory, fastest first (see the module docstring).
+
+    Where placements are enumerated (small clusters) every option and every layer split is
+    tried, so the result is the optimum under the cost model. Elsewhere the options are tried
+    from fastest to most frugal and the first that fits is kept, and splits are improved
+    from a proportional one.
+    """
+    _check_batch(cluster, costs, global_batch)
+    best: dict[tuple, tuple[float, int, tuple]] = {}  # the best plan of each shape (degrees, placement, m)
+    counter = itertools.count()
+    for tp, pp, dp in degrees(cluster, costs, global_batch):
+        units = units_of(cluster, tp, costs.precision)
+        if units is None:
+            continue
+        counts = [m for m in microbatches if global_batch % m == 0 and global_batch // m >= dp]
+        n_splits = math.comb(costs.n_layers - 1, pp - 1)
+        per_placement = len(counts) * len(option_sets(dp, pp, tp)) * (n_splits if n_splits <= split_limit else 1)
+        for label, grid in placements(units, pp, dp, min(placement_limit, budget // max(per_placement, 1))):
+            placed = _Placed.of(cluster, label, grid)
+            exact = label == "enumerated"
+            shape = tuple(tuple(u.ranks for u in row) for row in grid)
+            for m in counts:
+                for options in option_sets(dp, pp, tp):
+                    found = list(_best_splits(costs, placed, tp, m, options, global_batch // m, split_limit))
+                    for step, sizes, ev in found:
+                        entry = (step, next(counter), (ev, sizes))  # ties: the earlier, simpler one
+                        if (shape, m) not in best or entry < best[(shape, m)]:
+                            best[(shape, m)] = entry
+                    if found and not exact:
+                        break  # options run from fastest to most frugal: the first that fits wins
+    if not best:
+        raise PlanError(
+            f"no plan fits: every layout of this model on the cluster's {cluster.world_size} devices runs out of "
+            "memory even with ZeRO-3, offload and full recompute; add devices or memory, or shrink the model."
+        )
+    ranked = heapq.nsmallest(top, best.values(), key=lambda e: e[:2])
+    return [_candidate(cluster, costs, ev, sizes) for _, _, (ev, sizes) in ranked]
+
+
+def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit):
+    """(step, sizes, evaluator) of the best shares for each layer split tried."""
+    pp = len(placed.grid)
+    if math.comb(costs.n_layers - 1, pp - 1) <= split_limit:
+        for stages in splits(costs.n_layers, pp):
+            ev = _Evaluator(placed, costs, tp, m, stages, options)
+            found = ev.shares(units_total)
+            if found is not None:
+                yield found[0], found[1], ev
+        return
+    speeds = [sum(u.spec.peak_tflops for u in row) for row in placed.grid]
+    tried: dict[tuple, _Trial] = {}
+
+    def attempt(stages: tuple) -> _Trial:
+        if stages not in tried:
+            ev = _Evaluator(placed, costs, tp, m, stages, options)
+            tried[stages] = _Trial(ev, ev.shares(units_total))
+        return tried[stages]
+
+    best = attempt(proportional_split(costs, speeds))
+    for _ in range(MAX_MOVES):  # move a layer off the busiest (or fullest) stage while that helps
+        moved = [_move_boundary(best.ev.base.stages, i, d) for i, d in _moves_off(best)]
+        trials = [attempt(stages) for stages in moved if stages]
+        if not trials or min(t.score for t in trials) >= best.score:
+            break
+        best = min(trials, key=lambda t: t.score)
+    if best.found is not None:
+        yield best.found[0], best.found[1], best.ev
+
+
+def _flat(times: OpTimes) -> list[float]:
+    return [*times.forward, *times.backward, *times.transfer]
+
+
+@dataclass(frozen=True)
+class _Trial:
+    ev: _Evaluator
+    found: tuple[float, list[int]] | None
+
+    @property
+    def score(self) -> tuple[int, float]:
+        """Feasible by step time first; out of memory by how far over the fullest device is."""
+        if self.found is not None:
+            return (0, self.found[0])
+        kinds = range(len(self.ev.placed.kinds))
+        return (1, max(max(self.ev.memory_ratio(k, 1)) for k in kinds))
+
+
+def _moves_off(trial: _Trial) -> list[tuple[int, int]]:
+    """Boundary moves that take one layer off the stage that limits the step (or overflows memory)."""
+    ev, result = trial.ev, trial.found
+    pp = ev.base.pp
+    if result is None:  # out of memory: the fullest stage of any replica at the smallest micro-batch
+        ratios = [max(r) for r in zip(*(ev.memory_ratio(k, 1) for k in range(len(ev.placed.kinds))))]
+        stage = max(range(pp), key=lambda s: ratios[s])
+    else:
+        kind_of = ev.kind_of()
+        slow = max(range(ev.base.dp), key=lambda r: ev.time(kind_of[r], result[1][r]))
+        times = ev.op_times(kind_of[slow], result[1][slow])
+        stage = max(range(pp), key=lambda s: times.forward[s] + times.backward[s])
+    moves = []
+    if stage > 0:
+        moves.append((stage, 1))  # its first layer goes to the stage before
+    if stage < pp - 1:
+        moves.append((stage + 1, -1))  # its last layer goes to the stage after
+    return moves
+
+
+def _move_boundary(stages, i: int, delta: int):
+    bounds = [s[0] for s in stages] + [stages[-1][1]]
+    bounds[i] += delta
+    if bounds[i] <= bounds[i - 1] or bounds[i] >= bounds[i + 1]:
+        return None
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def _candidate(cluster: Cluster, costs: ModelCosts, ev: _Evaluator, sizes: list[int]) -> Candidate:
+    layout, grid = ev.layout(sizes), ev.placed.grid
+    m = layout.microbatches
+    samples = tuple(b * m for b in sizes)
+    mesh_ranks = tuple(rank for row in grid for unit in row for rank in unit.ranks)
+    devices = cluster.devices()
+    plan = Plan(
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        zero=layout.zero,
+        offload=layout.offload,
+        precision=costs.precision,
+        dp_shares=samples if len(set(samples)) > 1 else None,
+        pipeline=PipelineSpec(
+            stages=layout.stages if layout.pp > 1 else None, microbatches=m, schedule=layout.schedule
+        ),
+        recompute=layout.recompute,
+        rank_devices=tuple(f"{node}:{i}:{t.name}" for node, i, t in devices),
+        mesh_ranks=mesh_ranks if mesh_ranks != tuple(range(len(devices))) else None,
+    )
+    return Candidate(plan, layout, estimate(layout, costs), ev.placed.label)
+
+
+def _check_batch(cluster: Cluster, costs: ModelCosts, global_batch: int) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch_size must be a positive integer, got {global_batch!r}.")
+    if next(degrees(cluster, costs, global_batch), None) is None:
+        smallest = min((dp for _, _, dp in degrees(cluster, costs, cluster.world_size)), default=cluster.world_size)
+        raise PlanError(
+            f"global_batch_size={global_batch} is smaller than the number of data-parallel ranks of every layout "
+            f"of this cluster (at least {smallest}: each rank needs one sample): raise global_batch_size to "
+            f"{smallest} or more."
+        )
+
+
+# ---------------------------------------------------------------- exhaustive
+def exhaustive_search(
+    cluster: Cluster, costs: ModelCosts, global_batch: int, microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+) -> tuple[float, Layout | None]:
+    """The best step time over every placement, split and share vector (small clusters only)."""
+    best, best_layout = INFEASIBLE, None
+    judged: dict[Layout, float] = {}  # different placements often give the same layout
+    for tp, pp, dp in degrees(cluster, costs, global_batch):
+        units = units_of(cluster, tp, costs.precision)
+        if units is None:
+            continue
+        by_node: dict[str, list[Unit]] = {}
+        for u in units:
+            by_node.setdefault(u.node, []).append(u)
+        for labels in _multiset_permutations([u.node for u in units]):  # units of one node are interchangeable
+            pools = {n: iter(us) for n, us in by_node.items()}
+            order = [next(pools[n]) for n in labels]
+            grid = tuple(tuple(order[s * dp + r] for r in range(dp)) for s in range(pp))
+            placed = _Placed.of(cluster, "every", grid)
+            for m in microbatches:
+                if global_batch % m or global_batch // m < dp:
+                    continue
+                for options in option_sets(dp, pp, tp):
+                    for stages in splits(costs.n_layers, pp):
+                        ev = _Evaluator(placed, costs, tp, m, stages, options)
+                        for sizes in _compositions(global_batch // m, dp):
+                            layout = ev.layout(list(sizes))
+                            if layout not in judged:
+                                ok = fits(layout, costs)
+                                judged[layout] = step_time(layout, costs)[0] if ok else INFEASIBLE
+                            if judged[layout] < best:
+                                best, best_layout = judged[layout], layout
+    return best, best_layout
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write ``total`` as ``parts`` positive integers, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+__all__ = ["Candidate", "exhaustive_search", "search"]
