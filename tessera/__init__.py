@@ -11,8 +11,20 @@ from tessera.booster import Booster
 from tessera.distributed import init
 from tessera.errors import NotSupportedYet, PlanError
 from tessera.plan import PipelineSpec, Plan
-from tessera.presets import DDP, Hybrid, ZeRO
+from tessera.presets import DDP, Auto, Hybrid, ZeRO
 
 __version__ = "0.1.0"
 
-__all__ = ["Booster", "DDP", "Hybrid", "NotSupportedYet", "PipelineSpec", "Plan", "PlanError", "ZeRO", "init", "memory"]
+__all__ = [
+    "Auto",
+    "Booster",
+    "DDP",
+    "Hybrid",
+    "NotSupportedYet",
+    "PipelineSpec",
+    "Plan",
+    "PlanError",
+    "ZeRO",
+    "init",
+    "memory",
+]

@@ -15,7 +15,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import Dataset
 
 from tessera import distributed
+from tessera.cluster.emulate import Emulator
+from tessera.cluster.spec import Cluster
 from tessera.data.sharding import ShardedLoader, ShareBatchSampler
 from tessera.errors import PlanError
 from tessera.models.policies import policy_for
@@ -51,22 +55,23 @@ from tessera.precision import DynamicLossScaler
 class Booster:
     """Applies one :class:`~tessera.Plan` to a model, its optimizer and its data."""
 
-    def __init__(self, plan: Plan | None = None) -> None:
+    def __init__(self, plan: Plan | None = None, emulate: Cluster | str | Path | None = None) -> None:
+        """``emulate`` (or the environment variable ``TESSERA_EMULATE``): a cluster file whose devices
+        these ranks play (:mod:`tessera.cluster.emulate`)."""
         plan = plan if plan is not None else Plan()
         if not isinstance(plan, Plan):
             raise PlanError(
                 f"Booster(plan=...) needs a tessera.Plan (e.g. tessera.ZeRO(stage=2)), got {type(plan).__name__}."
             )
         # Validate everything that can be checked before touching a process group.
-        self.device = distributed.pick_device(plan.device)
+        self.device = distributed.pick_device(plan.device, plan.placement)
         distributed.init()
         self.plan = plan.resolve(dist.get_world_size())
         # Ranks are laid out (pp, dp, tp) or (pp, dp, sp) row-major, as init_device_mesh does: the
         # ranks of one tp or sp group are neighbours and share their samples, and every stage of
         # one pipeline reads the same samples.
-        position = self.plan.position(dist.get_rank())
-        self.dp_rank = (position // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
-        self.sp_rank = position % self.plan.ulysses_size
+        self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
+        self.sp_rank = dist.get_rank() % self.plan.ulysses_size
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         self._grad_mesh: DeviceMesh | None = None
         shares = self.plan.shares()
@@ -75,6 +80,10 @@ class Booster:
         self.loss_weight = shares[self.dp_rank] * len(shares) / sum(shares)
         self.scaler = DynamicLossScaler() if self.plan.precision == "fp16" else None
         self._model: nn.Module | None = None
+        self._optimizer: BoostedOptimizer | None = None
+        emulate = emulate or os.environ.get("TESSERA_EMULATE") or None
+        device = self.plan.device_of(dist.get_rank())
+        self.emulator = Emulator(emulate, device, self.plan.precision) if emulate else None
         self._pipeline: PipelineRunner | None = None
         self._tied: TiedWeights | None = None
 
@@ -97,6 +106,8 @@ class Booster:
                     f"the optimizer holds {len(foreign)} parameter(s) that are not in the model: "
                     "build the optimizer from model.parameters()."
                 )
+        if self.emulator is not None:  # hooks on the blocks survive splitting, tp and FSDP wrapping
+            self.emulator.slow_down(data_parallel.repeated_blocks(model))
         if self.plan.pp > 1:
             # Tied weights are read here, before tp or FSDP replace parameters per module and hide the sharing.
             wrapped = self._boost_pipeline(model, [n for n in names.values() if len(n) > 1])
@@ -124,7 +135,8 @@ class Booster:
             inner = ShardedOptimizer(groups, build, self.grad_mesh.get_group(), offload=self.plan.offload)
         else:
             inner = build(groups)
-        return wrapped, BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
+        self._optimizer = BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
+        return wrapped, self._optimizer
 
     def _boost_pipeline(self, model: nn.Module, tied: list[list[str]]) -> PipelineModel:
         """Cut ``model`` into this rank's stages, lay each out (tp, recompute, ZeRO) and build the schedule.
@@ -164,11 +176,7 @@ class Booster:
                 shape, names = [self.plan.dp, self.plan.sp], ["dp", "sp"]
             if self.plan.pp > 1:  # outermost: stages talk point-to-point, the cheapest traffic for slow links
                 shape, names = [self.plan.pp, *shape], ["pp", *names]
-            if self.plan.mesh_ranks is None:
-                self._mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
-            else:  # the planner's placement: position i of the row-major mesh is rank mesh_ranks[i]
-                ranks = torch.tensor(self.plan.mesh_ranks).reshape(shape)
-                self._mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=tuple(names))
+            self._mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names))
         return self._mesh
 
     @property
@@ -190,6 +198,11 @@ class Booster:
             loss = self.scaler.scale_loss(loss)
         with self.loss_parallel():
             loss.backward()
+        self._check_emulated_memory()
+
+    def _check_emulated_memory(self) -> None:
+        if self.emulator is not None and self._model is not None:
+            self.emulator.check_memory(self._model, self._optimizer)
 
     def loss_parallel(self) -> contextlib.AbstractContextManager[None]:
         """Compute the loss inside this context: with ``Plan.loss_parallel`` the logits are a DTensor
@@ -234,6 +247,7 @@ class Booster:
         self._tied.sync()
         if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
             average_gradients(list(model.parameters()), self.grad_mesh.get_group())
+        self._check_emulated_memory()
         return loss
 
     def _accumulate(

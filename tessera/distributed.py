@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tessera.errors import PlanError
+from tessera.errors import NotSupportedYet, PlanError
 
 
 def accelerator_available() -> bool:
@@ -27,16 +27,32 @@ def accelerator_available() -> bool:
     return os.environ.get("TESSERA_DEVICE", "auto") != "cpu" and torch.cuda.is_available()
 
 
-def pick_device(requested: str = "auto") -> torch.device:
-    """The device this rank computes on: CUDA (one per local rank) when present, else CPU."""
+def pick_device(requested: str = "auto", placement: tuple[int, ...] | None = None) -> torch.device:
+    """The device this rank computes on: CUDA (one per local rank, or the one ``placement`` names
+    for this rank) when present, else CPU."""
     if requested == "cuda" and not accelerator_available():
         raise PlanError(
             'Plan.device="cuda" but no CUDA device is available here (none found, or TESSERA_DEVICE=cpu): '
             'use device="auto" (CUDA when present, else CPU) or device="cpu".'
         )
     if requested in ("auto", "cuda") and accelerator_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if placement is not None:
+            local = _placed_local_index(placement)
+        return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def _placed_local_index(placement: tuple[int, ...]) -> int:
+    """This rank's GPU under a planner placement; one machine only (its ranks are every rank)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) != world:
+        raise NotSupportedYet(
+            "Plan.placement across several machines is not supported yet: torchrun numbers ranks machine by "
+            "machine, so a rank cannot be sent to another machine's device. Run the plan on one machine, "
+            "or drop Plan.placement (rank i on device i)."
+        )
+    return placement[int(os.environ.get("RANK", "0"))]
 
 
 def default_backend() -> str:

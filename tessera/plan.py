@@ -196,8 +196,9 @@ class Plan:
             never gathered.
         device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda"``.
         rank_devices: optional device label per global rank (heterogeneous clusters).
-        mesh_ranks: the global rank at each mesh position, row-major over (pp, dp, tp or sp); the
-            planner uses it to put each device where it belongs. ``None`` is rank order.
+        placement: the cluster device (its index in the cluster file's order) each rank runs on;
+            the planner uses it to put each device where it belongs on the mesh (ranks are laid out
+            row-major over pp, dp, tp|sp). ``None``: rank i runs on device i.
     """
 
     dp: int | None = None
@@ -214,12 +215,12 @@ class Plan:
     loss_parallel: bool = False
     device: str = "auto"
     rank_devices: tuple[str, ...] | None = None
-    mesh_ranks: tuple[int, ...] | None = None
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dp_shares", _as_tuple(self.dp_shares))
         object.__setattr__(self, "rank_devices", _as_tuple(self.rank_devices))
-        object.__setattr__(self, "mesh_ranks", _as_tuple(self.mesh_ranks))
+        object.__setattr__(self, "placement", _as_tuple(self.placement))
         if isinstance(self.pipeline, dict):
             object.__setattr__(self, "pipeline", _from_dict(PipelineSpec, self.pipeline, "pipeline"))
         if self.dp is not None:
@@ -311,18 +312,18 @@ class Plan:
             raise PlanError(
                 f"Plan.rank_devices names {len(self.rank_devices)} devices but the job has {world_size} ranks."
             )
-        if self.mesh_ranks is not None and sorted(self.mesh_ranks) != list(range(world_size)):
+        if self.placement is not None and sorted(self.placement) != list(range(world_size)):
             raise PlanError(
-                f"Plan.mesh_ranks must list every rank 0..{world_size - 1} exactly once (the rank at each mesh "
-                f"position), got {list(self.mesh_ranks)}."
+                f"Plan.placement must list every device 0..{world_size - 1} exactly once (the device each rank "
+                f"runs on), got {list(self.placement)}."
             )
         resolved = dataclasses.replace(self, dp=dp)
         resolved.check_composable()
         return resolved
 
-    def position(self, rank: int) -> int:
-        """The mesh position (row-major over pp, dp, tp|sp) of global ``rank``."""
-        return self.mesh_ranks.index(rank) if self.mesh_ranks is not None else rank
+    def device_of(self, rank: int) -> int:
+        """The cluster device (file order) that ``rank`` runs on."""
+        return self.placement[rank] if self.placement is not None else rank
 
     def shares(self, dp: int | None = None) -> tuple[int, ...]:
         """Relative samples per data-parallel rank (all ones when the plan is even)."""

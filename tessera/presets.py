@@ -8,6 +8,13 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tessera.cluster.spec import Cluster
 
 from tessera.errors import PlanError
 from tessera.plan import PipelineSpec, Plan
@@ -85,3 +92,25 @@ def Hybrid(
         recompute=recompute,
         device=device,
     )
+
+
+def Auto(
+    cluster: Cluster | str | Path,
+    model: nn.Module,
+    global_batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+) -> Plan:
+    """The planner's fastest Plan for ``model`` on ``cluster`` (a cluster file or :class:`Cluster`).
+
+    Devices of different speed and memory get different work: uneven data-parallel shares,
+    uneven pipeline stages, each device placed on the mesh (``Plan.placement``).
+    ``tessera plan`` shows the runners-up and why.
+
+    Example:
+        >>> plan = Auto(cluster="cluster.yaml", model=model, global_batch_size=64)
+        >>> booster = Booster(plan)
+    """
+    from tessera.planner import plan_for
+
+    return plan_for(cluster, model, global_batch_size, seq_len=seq_len, precision=precision, top=1)[0].plan

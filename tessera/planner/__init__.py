@@ -1,1 +1,47 @@
-"""The planner's pieces: the profiler (measured per-layer costs) today; cost model, simulator and search next."""
+"""The planner: per-layer costs (profile, costs), the cost model and simulator that judge a layout,
+and the search that picks one. :func:`plan_for` is the one call; ``tessera.Auto`` wraps it.
+
+Example:
+    >>> best = plan_for("cluster.yaml", model, global_batch_size=64, top=3)
+    >>> best[0].plan, best[0].estimate.tokens_per_s, best[0].estimate.bottleneck
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from tessera.cluster.spec import Cluster
+from tessera.errors import PlanError
+from tessera.planner.costs import ModelCosts
+from tessera.planner.search import Candidate, search
+
+
+def sequence_length(model: nn.Module) -> int:
+    """The model's maximum sequence length, from its config."""
+    config = getattr(model, "config", None)
+    for name in ("max_seq_len", "n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise PlanError("the planner needs seq_len: the model's config names no max_seq_len / n_positions.")
+
+
+def plan_for(
+    cluster: Cluster | str | Path,
+    model: nn.Module,
+    global_batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    top: int = 5,
+    costs: ModelCosts | None = None,
+) -> list[Candidate]:
+    """The ``top`` fastest plans for ``model`` on ``cluster`` (build the model on the meta device:
+    only its shapes are read). ``costs`` replaces the analytic per-layer costs (e.g. a profile)."""
+    cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
+    costs = costs or ModelCosts.from_model(model, seq_len or sequence_length(model), precision)
+    return search(cluster, costs, global_batch_size, top=top)
+
+
+__all__ = ["Candidate", "ModelCosts", "plan_for", "sequence_length"]

@@ -132,12 +132,12 @@ def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -
 
 # --------------------------------------------------------------------- from a Plan
 def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> Layout:
-    """The Layout of a resolved ``plan`` on ``cluster`` (ranks are cluster devices in file order,
-    placed on the mesh by ``plan.mesh_ranks`` when given)."""
+    """The Layout of a resolved ``plan`` on ``cluster`` (rank i runs on cluster device
+    ``plan.device_of(i)``, in the cluster file's order)."""
     world = cluster.world_size
     plan = plan.resolve(world)
     devices = cluster.devices()
-    order = list(plan.mesh_ranks) if plan.mesh_ranks is not None else list(range(world))
+    order = [plan.device_of(rank) for rank in range(world)]
     ranges = plan.pipeline.stage_ranges(costs.n_layers, plan.pp)
     if len(ranges) != plan.pp:
         raise PlanError(

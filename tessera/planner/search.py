@@ -493,7 +493,7 @@ def _candidate(cluster: Cluster, costs: ModelCosts, ev: _Evaluator, sizes: list[
     layout, grid = ev.layout(sizes), ev.placed.grid
     m = layout.microbatches
     samples = tuple(b * m for b in sizes)
-    mesh_ranks = tuple(rank for row in grid for unit in row for rank in unit.ranks)
+    placement = tuple(device for row in grid for unit in row for device in unit.ranks)
     devices = cluster.devices()
     plan = Plan(
         dp=layout.dp,
@@ -507,8 +507,8 @@ def _candidate(cluster: Cluster, costs: ModelCosts, ev: _Evaluator, sizes: list[
             stages=layout.stages if layout.pp > 1 else None, microbatches=m, schedule=layout.schedule
         ),
         recompute=layout.recompute,
-        rank_devices=tuple(f"{node}:{i}:{t.name}" for node, i, t in devices),
-        mesh_ranks=mesh_ranks if mesh_ranks != tuple(range(len(devices))) else None,
+        rank_devices=tuple(f"{devices[d][0]}:{devices[d][1]}:{devices[d][2].name}" for d in placement),
+        placement=placement if placement != tuple(range(len(devices))) else None,
     )
     return Candidate(plan, layout, estimate(layout, costs), ev.placed.label)
 

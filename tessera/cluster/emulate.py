@@ -1,0 +1,112 @@
+"""Emulation: local CPU ranks play the devices of a cluster file, so heterogeneous plans run here.
+
+Rank ``r`` plays the cluster's ``r``-th device (file order, the launch order). Every transformer
+block it runs sleeps after its forward and its backward so that the block takes ``slowdown``
+times its real compute, ``slowdown`` being the fastest device's peak over this device's: a
+quarter-speed device's blocks take four times as long. Sleeping, not spinning, is what keeps
+two ranks on one core honest (a busy loop would steal the other rank's time).
+
+The memory accountant checks, after every backward, that this rank's exact model-state bytes
+(parameters, gradients, optimizer state: :func:`tessera.memory.model_state_bytes`) fit in the
+device's usable memory, and raises :class:`EmulatedOutOfMemory` naming the device if not.
+Activations are not counted by the accountant (the planner's memory model does count them).
+
+Everything that ran under emulation says so: :meth:`Emulator.describe` is logged by the trainer
+and written into benchmark output.
+
+Example:
+    >>> booster = tessera.Booster(plan, emulate="cluster.yaml")
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tessera.cluster.spec import Cluster
+
+USABLE_MEMORY = 0.9  # the planner's figure (tessera.planner.layout.USABLE_MEMORY)
+
+
+class EmulatedOutOfMemory(RuntimeError):
+    """An emulated device would have run out of memory."""
+
+
+class Emulator:
+    """This rank as one device of ``cluster``: slower by sleeping, and held to its memory."""
+
+    def __init__(self, cluster: Cluster | str | Path, rank: int, dtype: str = "fp32") -> None:
+        self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
+        devices = self.cluster.devices()
+        if rank >= len(devices):
+            raise EmulatedOutOfMemory(
+                f"rank {rank} has no device to play: the cluster file describes {len(devices)} devices; "
+                f"launch {len(devices)} ranks."
+            )
+        self.node, self.index, self.device = devices[rank]
+        peaks = [t.peak(dtype) or t.peak("fp32") or 0.0 for _, _, t in devices]
+        own = self.device.peak(dtype) or self.device.peak("fp32") or 0.0
+        self.slowdown = max(peaks) / own
+        self.capacity = self.device.memory_gib * 2**30 * USABLE_MEMORY
+        self.compute_s = 0.0  # real compute of hooked blocks
+        self.slept_s = 0.0
+        self.slowed = {"forward": 0, "backward": 0}  # blocks slowed so far, by pass
+        self._started: dict[int, float] = {}
+
+    def describe(self) -> str:
+        return (
+            f"emulated {self.node}:{self.index} ({self.device.name}, {1 / self.slowdown:.3g}x the fastest device's "
+            f"speed, {self.device.memory_gib:g} GiB)"
+        )
+
+    # ---------------------------------------------------------------- speed
+    def slow_down(self, blocks: Iterable[nn.Module]) -> None:
+        """Make every block's forward and backward take ``slowdown`` times its real compute."""
+        if self.slowdown <= 1.0:
+            return
+        for block in blocks:
+            block.register_forward_pre_hook(self._start)
+            block.register_forward_hook(self._stop_hook)
+            block.register_full_backward_pre_hook(self._start_backward)
+            block.register_full_backward_hook(self._stop_backward)
+
+    def _start(self, module: nn.Module, *args: Any) -> None:
+        self._started[id(module)] = time.perf_counter()
+
+    def _stop(self, module: nn.Module, kind: str) -> None:
+        began = self._started.pop(id(module), None)
+        if began is None:
+            return
+        self.slowed[kind] += 1
+        elapsed = time.perf_counter() - began
+        extra = elapsed * (self.slowdown - 1.0)
+        self.compute_s += elapsed
+        self.slept_s += extra
+        time.sleep(extra)
+
+    def _stop_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._stop(module, "forward")
+
+    def _start_backward(self, module: nn.Module, grad_output: Any) -> None:
+        self._start(module)
+
+    def _stop_backward(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        self._stop(module, "backward")
+
+    # --------------------------------------------------------------- memory
+    def check_memory(self, model: nn.Module, optimizer: Any | None = None) -> int:
+        """Raise if this rank's model state does not fit the device; return the bytes counted."""
+        from tessera.memory import model_state_bytes
+
+        used = model_state_bytes(model, optimizer)
+        if used > self.capacity:
+            raise EmulatedOutOfMemory(
+                f"{self.describe()}: this rank holds {used / 2**30:.3g} GiB of model state ({used!r}) but the device "
+                f"has {self.capacity / 2**30:.3g} GiB usable: shard more (Plan.zero), split the model (Plan.pp/tp), "
+                "or give this device a smaller part."
+            )
+        return int(used)
