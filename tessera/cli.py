@@ -1,6 +1,7 @@
 """The ``tessera`` command.
 
     tessera train CONFIG.yaml [--set optimizer.lr=3e-4 ...] [--nproc N]   config-driven training (via torchrun)
+    tessera plan --model CONFIG.yaml --cluster C.yaml --global-batch B    best plans, a Plan file and a picture
     tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
     tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR]      full model from any layout's checkpoint
 
@@ -26,6 +27,49 @@ def _plan_check(args: argparse.Namespace) -> int:
     plan = Plan.load(args.file).resolve(args.world_size)
     print(plan.to_yaml(), end="")
     print(f"# valid for {args.world_size} ranks")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Plan a training config's model on a cluster: table, Plan file, picture."""
+    import torch
+
+    from tessera.cluster.spec import Cluster
+    from tessera.planner import ModelCosts
+    from tessera.planner.draw import draw
+    from tessera.planner.search import search
+    from tessera.train.config import load_config
+    from tessera.train.trainer import build_model
+
+    if not (args.model and args.cluster and args.global_batch):
+        raise ValueError("tessera plan needs --model CONFIG.yaml --cluster CLUSTER.yaml --global-batch N.")
+    cfg = load_config(args.model, [])
+    cluster = Cluster.load(args.cluster)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = build_model(cfg)
+    costs = ModelCosts.from_model(model, cfg.data.seq_len, cfg.plan.precision)
+    found = search(cluster, costs, args.global_batch, top=args.top)
+    print(
+        f"{len(found)} best plans for {costs.name} ({costs.source} costs, seq {costs.seq_len}, {costs.precision}) "
+        f"on {cluster.world_size} devices, global batch {args.global_batch}:"
+    )
+    print(
+        f"{'#':>2} {'s/step':>9} {'tokens/s':>11} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'mb':>3} "
+        f"{'recompute':>9} {'mem':>5}  placement / bottleneck"
+    )
+    for i, c in enumerate(found):
+        p, e = c.plan, c.estimate
+        fullest = max(m.total / m.capacity for m in e.memory)
+        print(
+            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {p.dp:>3} {p.tp:>3} {p.pp:>3} {p.zero:>4} "
+            f"{p.pipeline.microbatches:>3} {p.recompute:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
+        )
+        if p.dp_shares or p.pipeline.stages:
+            print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
+    best = found[0]
+    best.plan.save(args.out)
+    print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
+    print(f"wrote {draw(best, cluster, costs, args.png)}")
     return 0
 
 
@@ -127,8 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
     train.add_argument("--rdzv-id", default="tessera")
     train.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails")
-    plan = sub.add_parser("plan", help="work with Plan files")
-    plan_sub = plan.add_subparsers(dest="plan_command", required=True)
+    train.add_argument("--emulate", help="a cluster file whose devices the local ranks play (slowed, memory-checked)")
+    plan = sub.add_parser("plan", help="plan a model on a cluster, or check a Plan file")
+    plan.add_argument("--model", help="a training config (its model:, data.seq_len and plan.precision are read)")
+    plan.add_argument("--cluster", help="a cluster file (tessera cluster detect writes one)")
+    plan.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    plan.add_argument("--top", type=int, default=5, help="how many plans to list")
+    plan.add_argument("--out", default="plan.yaml", help="where to write the best Plan")
+    plan.add_argument("--png", default="plan.png", help="where to draw devices by stage and the simulated timeline")
+    plan_sub = plan.add_subparsers(dest="plan_command")
     check = plan_sub.add_parser("check", help="validate a Plan file")
     check.add_argument("file")
     check.add_argument("--world-size", type=int, required=True)
@@ -152,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")
+            if args.emulate:  # read by every rank's Booster (tessera.cluster.emulate)
+                os.environ["TESSERA_EMULATE"] = str(Path(args.emulate).resolve())
             return _train(args)
-        return _plan_check(args)
+        return _plan_check(args) if args.plan_command == "check" else _plan(args)
     except (ValueError, FileNotFoundError) as exc:  # PlanError, ConfigError, CheckpointError are ValueErrors
         print(f"tessera: error: {exc}", file=sys.stderr)
         return 2

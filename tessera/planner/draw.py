@@ -1,0 +1,85 @@
+"""The planner's picture: which device runs which stage, and a simulated timeline of one step.
+
+Left: every device of the cluster, grouped by node, coloured by its pipeline stage and labelled
+with its replica. Right: the simulator's timeline, one row per (replica kind, stage): forward,
+backward, gradient sync and optimizer, with idle time as gaps — where the time goes, at a glance.
+
+Example:
+    >>> draw(candidate, cluster, costs, "plan.png")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.cluster.spec import Cluster
+from tessera.planner.costs import ModelCosts
+from tessera.planner.simulate import simulate
+
+COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "optimizer": "#8172b3"}
+
+
+def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Path:
+    """Write the picture of ``candidate`` (a :class:`~tessera.planner.search.Candidate`) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan, layout = candidate.plan, candidate.layout
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * max(8, layout.pp * len(layout.replicas))))
+    _devices(left, plan, cluster, plt.get_cmap("tab20"))
+    _timeline(right, layout, costs)
+    est = candidate.estimate
+    fig.suptitle(
+        f"dp={plan.dp} tp={plan.tp} pp={plan.pp} zero={plan.zero} microbatches={plan.pipeline.microbatches}: "
+        f"{est.step_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s; bottleneck: {est.bottleneck}"
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _devices(ax, plan, cluster: Cluster, cmap) -> None:
+    """One square per device, row per node, coloured by stage, labelled with its replica."""
+    devices = cluster.devices()
+    where = {plan.device_of(rank): rank for rank in range(len(devices))}
+    per_stage = plan.dp * plan.tp
+    row_of = {node.name: i for i, node in enumerate(cluster.nodes)}
+    for index, (node, local, _) in enumerate(devices):
+        rank = where[index]
+        stage, replica = rank // per_stage, (rank % per_stage) // plan.tp
+        y = row_of[node]
+        ax.add_patch(_square(local, y, cmap(stage % 20)))
+        ax.text(local + 0.5, y + 0.5, f"s{stage}\nr{replica}", ha="center", va="center", fontsize=7)
+    ax.set_yticks([i + 0.5 for i in range(len(cluster.nodes))])
+    ax.set_yticklabels([f"{n.name} ({cluster.device_type(n.name).name})" for n in cluster.nodes], fontsize=8)
+    ax.set_xlim(0, max(n.count for n in cluster.nodes))
+    ax.set_ylim(len(cluster.nodes), 0)
+    ax.set_xticks([])
+    ax.set_title("devices: stage s, replica r")
+
+
+def _square(x: float, y: float, colour) -> object:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, color=colour)
+
+
+def _timeline(ax, layout, costs: ModelCosts) -> None:
+    sim = simulate(layout, costs)
+    rows = {}
+    for e in sim.events:
+        key = (e.replica, e.stage)
+        rows.setdefault(key, len(rows))
+        ax.barh(rows[key], e.end - e.start, left=e.start, color=COLOURS[e.kind], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(list(rows.values()))
+    ax.set_yticklabels([f"replicas {r} stage {s}" for r, s in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (simulated; gaps are idle)")
+    ax.set_title("one step: " + ", ".join(f"{k}" for k in COLOURS), fontsize=9)
+    for kind, colour in COLOURS.items():
+        ax.barh(0, 0, color=colour, label=kind)
+    ax.legend(loc="lower right", fontsize=7)
