@@ -83,7 +83,8 @@ class Booster:
         self._optimizer: BoostedOptimizer | None = None
         emulate = emulate or os.environ.get("TESSERA_EMULATE") or None
         device = self.plan.device_of(dist.get_rank())
-        self.emulator = Emulator(emulate, device, self.plan.precision) if emulate else None
+        scale = float(os.environ.get("TESSERA_EMULATE_SCALE", "1"))
+        self.emulator = Emulator(emulate, device, self.plan.precision, scale) if emulate else None
         self._pipeline: PipelineRunner | None = None
         self._tied: TiedWeights | None = None
 

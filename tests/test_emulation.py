@@ -63,12 +63,13 @@ def test_emulator_slows_each_block_by_the_speed_ratio() -> None:
     model = build_model("llama:2")
     emulator = Emulator(Cluster.from_dict(SPEEDS), rank=3)  # the quarter-speed device
     assert emulator.slowdown == 4.0
-    assert "quarter" in emulator.describe()
+    assert "quarter: blocks take 4x" in emulator.describe()
     emulator.slow_down(model.layers)
     x = torch.randint(0, 100, (2, 16))
     loss_fn(model(x), x).backward()
     assert emulator.slowed == {"forward": 2, "backward": 2}
-    assert emulator.slept_s == pytest.approx(3 * emulator.compute_s)
+    # Each block is stretched to 4x its CPU time: the sleeps make up at most the other 3x.
+    assert 0 < emulator.slept_s <= 3 * emulator.compute_s * 1.01 + 1e-4  # clocks tick in microseconds
 
 
 def test_emulated_memory_accountant_refuses_what_does_not_fit() -> None:

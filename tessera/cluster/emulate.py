@@ -1,9 +1,10 @@
 """Emulation: local CPU ranks play the devices of a cluster file, so heterogeneous plans run here.
 
-Rank ``r`` plays the cluster's ``r``-th device (file order, the launch order). Every transformer
-block it runs sleeps after its forward and its backward so that the block takes ``slowdown``
-times its real compute, ``slowdown`` being the fastest device's peak over this device's: a
-quarter-speed device's blocks take four times as long. Sleeping, not spinning, is what keeps
+Rank ``r`` plays the cluster's ``r``-th device (file order, the launch order; ``Plan.placement``
+moves it). Every transformer block it runs sleeps after its forward and its backward so that the
+block takes ``slowdown`` times its CPU time (thread CPU time: waiting for a shared core is not
+compute), ``slowdown`` being the fastest device's peak over this device's: a quarter-speed
+device's blocks take four times as long. Sleeping, not spinning, is what keeps
 two ranks on one core honest (a busy loop would steal the other rank's time).
 
 The memory accountant checks, after every backward, that this rank's exact model-state bytes
@@ -39,7 +40,7 @@ class EmulatedOutOfMemory(RuntimeError):
 class Emulator:
     """This rank as one device of ``cluster``: slower by sleeping, and held to its memory."""
 
-    def __init__(self, cluster: Cluster | str | Path, rank: int, dtype: str = "fp32") -> None:
+    def __init__(self, cluster: Cluster | str | Path, rank: int, dtype: str = "fp32", time_scale: float = 1.0) -> None:
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         devices = self.cluster.devices()
         if rank >= len(devices):
@@ -50,7 +51,9 @@ class Emulator:
         self.node, self.index, self.device = devices[rank]
         peaks = [t.peak(dtype) or t.peak("fp32") or 0.0 for _, _, t in devices]
         own = self.device.peak(dtype) or self.device.peak("fp32") or 0.0
-        self.slowdown = max(peaks) / own
+        # time_scale > 1 stretches every device, the fastest too: with most of each block asleep, ranks
+        # sharing a core barely slow each other, so timings follow the emulated speeds.
+        self.slowdown = max(peaks) / own * time_scale
         self.capacity = self.device.memory_gib * 2**30 * USABLE_MEMORY
         self.compute_s = 0.0  # real compute of hooked blocks
         self.slept_s = 0.0
@@ -59,8 +62,8 @@ class Emulator:
 
     def describe(self) -> str:
         return (
-            f"emulated {self.node}:{self.index} ({self.device.name}, {1 / self.slowdown:.3g}x the fastest device's "
-            f"speed, {self.device.memory_gib:g} GiB)"
+            f"emulated {self.node}:{self.index} ({self.device.name}: blocks take {self.slowdown:.3g}x this CPU's "
+            f"compute, {self.device.memory_gib:g} GiB)"
         )
 
     # ---------------------------------------------------------------- speed
@@ -75,16 +78,18 @@ class Emulator:
             block.register_full_backward_hook(self._stop_backward)
 
     def _start(self, module: nn.Module, *args: Any) -> None:
-        self._started[id(module)] = time.perf_counter()
+        self._started[id(module)] = (time.perf_counter(), time.thread_time())
 
     def _stop(self, module: nn.Module, kind: str) -> None:
         began = self._started.pop(id(module), None)
         if began is None:
             return
         self.slowed[kind] += 1
-        elapsed = time.perf_counter() - began
-        extra = elapsed * (self.slowdown - 1.0)
-        self.compute_s += elapsed
+        # The block should take slowdown × its CPU time. CPU time, not wall time: a rank waiting for a
+        # core shared with other ranks has not computed, and must not be stretched for it.
+        wall, cpu = time.perf_counter() - began[0], time.thread_time() - began[1]
+        extra = max(0.0, self.slowdown * cpu - wall)
+        self.compute_s += cpu
         self.slept_s += extra
         time.sleep(extra)
 

@@ -1,0 +1,168 @@
+"""Planned vs uniform vs drop-the-slow-devices on an emulated 4-device cluster (speeds 1, 1, ½, ¼).
+
+Four local CPU ranks play the devices of a cluster file (``tessera.cluster.emulate``): every
+transformer block sleeps so that it takes ``slowdown`` times this CPU's compute, ``slowdown`` =
+time_scale × (fastest peak / device peak). EMULATED: the numbers are about scheduling work over
+devices of different speed, not about any real GPU.
+
+The model is the reference Llama (8 layers, hidden 128, vocabulary 256, sequence 64), global
+batch 32, fp32 AdamW. Costs for the planner are this CPU's profile of the model (times
+time_scale, scaled by peak per device). Three plans, run in turn, --reps times each:
+
+- planned: ``tessera.Auto`` on the cluster (uneven shares/stages, placement as it chooses);
+- uniform: DDP with equal shares on all four devices;
+- drop slow: DDP with equal shares on the two fast devices only (a 2-device cluster).
+
+Reported: measured median step time and tokens/s (median over steps 3.. of each run, then over
+runs), the planner's predicted step time for each plan, and the ratios.
+
+    python benchmarks/emulated_cluster.py [--reps 3] [--steps 8] [--time-scale 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+TYPES = {
+    "full": {"peak_tflops": {"fp32": 4}, "memory_gib": 8, "bandwidth_gbs": 100},
+    "half": {"peak_tflops": {"fp32": 2}, "memory_gib": 8, "bandwidth_gbs": 100},
+    "quarter": {"peak_tflops": {"fp32": 1}, "memory_gib": 8, "bandwidth_gbs": 100},
+}
+LINKS = {"intra_node": {"bandwidth_gbs": 1, "latency_us": 200}, "inter_node": {"bandwidth_gbs": 1, "latency_us": 200}}
+FOUR = {
+    "nodes": [
+        {"name": "a", "devices": [{"type": "full", "count": 2}]},
+        {"name": "b", "devices": [{"type": "half", "count": 1}]},
+        {"name": "c", "devices": [{"type": "quarter", "count": 1}]},
+    ],
+    "device_types": TYPES,
+    "links": LINKS,
+}
+TWO = {"nodes": [FOUR["nodes"][0]], "device_types": TYPES, "links": LINKS}
+SEQ, BATCH = 64, 32
+
+
+def build_model() -> torch.nn.Module:
+    from tessera.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(
+        LlamaConfig(vocab_size=256, dim=128, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=SEQ)
+    )
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 4096) -> None:
+        self.data = torch.randint(0, 256, (n, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.data[i, :-1], "y": self.data[i, 1:]}
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def train_worker(plan_dict: dict, steps: int) -> dict:
+    import torch.distributed as dist
+
+    import tessera
+
+    torch.set_num_threads(1)
+    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
+    model = build_model()
+    model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loader = iter(booster.dataloader(Tokens(), global_batch_size=BATCH, seed=0))
+    times, losses = [], []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = booster.execute_pipeline(loader, model, loss_fn, opt)
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(booster.reduce_loss(loss)))
+    return {"step_s": statistics.median(times[2:]), "losses": losses, "emulated": booster.emulator.describe()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--time-scale", type=float, default=8.0)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from tessera import DDP
+    from tessera.cluster import Cluster
+    from tessera.planner.costmodel import estimate
+    from tessera.planner.costs import ModelCosts
+    from tessera.planner.layout import layout_from_plan
+    from tessera.planner.profile import profile_model
+    from tessera.planner.search import search
+    from tessera.testing import run_ranks
+
+    torch.set_num_threads(1)
+    profile = profile_model(build_model(), batch_sizes=(1, 2, 4, 8), seq_len=SEQ, repeats=5)
+    costs = ModelCosts.from_profile(profile, peak_tflops=4.0 * args.time_scale, hidden=128)
+    four, two = Cluster.from_dict(FOUR), Cluster.from_dict(TWO)
+    planned = search(four, costs, BATCH, top=1)[0].plan
+    plans = {
+        "planned": (planned, four, FOUR),
+        "uniform": (DDP(), four, FOUR),
+        "drop slow": (DDP(), two, TWO),
+    }
+    tmp = Path(tempfile.mkdtemp())
+    measured: dict[str, list[float]] = {name: [] for name in plans}
+    notes: dict[str, Any] = {}
+    os.environ["TESSERA_EMULATE_SCALE"] = str(args.time_scale)
+    for rep in range(args.reps):
+        for name, (plan, cluster, spec) in plans.items():  # interleaved: rep 0 of each, then rep 1 ...
+            path = tmp / f"{name.replace(' ', '_')}.yaml"
+            path.write_text(yaml.safe_dump(spec))
+            os.environ["TESSERA_EMULATE"] = str(path)
+            out = run_ranks(train_worker, cluster.world_size, plan.to_dict(), args.steps, timeout_s=900)[0]
+            measured[name].append(out["step_s"])
+            notes[name] = {"emulated_rank0": out["emulated"], "losses": out["losses"]}
+            print(f"rep {rep} {name:10s} {out['step_s']:.3f} s/step", flush=True)
+    rows = {}
+    for name, (plan, cluster, _) in plans.items():
+        step = statistics.median(measured[name])
+        predicted = estimate(layout_from_plan(plan, cluster, costs, BATCH), costs).step_s
+        rows[name] = {
+            "plan": {k: v for k, v in plan.to_dict().items() if v not in (None, False, 1, "auto", "none")},
+            "measured_step_s": step,
+            "tokens_per_s": BATCH * SEQ / step,
+            "predicted_step_s": predicted,
+            "predicted_over_measured": predicted / step,
+            "runs_s": measured[name],
+            **notes[name],
+        }
+    for name, row in rows.items():
+        print(
+            f"{name:10s} measured {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:7.0f} tokens/s "
+            f"(x{row['tokens_per_s'] / rows['uniform']['tokens_per_s']:.2f} uniform)  predicted "
+            f"{row['predicted_step_s']:.3f} s ({row['predicted_over_measured'] - 1:+.1%})"
+        )
+    print("EMULATED cluster: speeds 1, 1, 1/2, 1/4 by sleeping (time scale", args.time_scale, ")")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"time_scale": args.time_scale, "rows": rows}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The planner: regret against exhaustive search, search time as clusters grow, and a memory-bound case.
+
+Part a (regret): on generated clusters of at most 8 devices (2-3 nodes, six device types, two of
+them small-memory), the planner's best plan and the exhaustive optimum, both judged by the
+simulator (not by the cost model the search used). Two planners: the default (placements
+enumerated on small clusters) and the large-cluster heuristic alone (canonical placements only).
+Model: a 4-layer Llama, hidden 2048, seq 2048, fp16, global batch 8.
+
+Part b (search time): regular clusters of 16 to 4,096 devices, 8 per node, six device types in
+turn (H100, A100-80GB, A100-40GB, L4, A10, RTX4090), three regions; a Llama-70B-shaped model
+(80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256, seq 4096, bf16), global
+batch 512. Median of --reps searches on one core.
+
+Part d (memory binds): two types, a fast device with little memory and a slow one with a lot.
+A 2.2 B-parameter Llama, fp32 Adam: the speed-proportional plan (uneven shares, plain DDP) does
+not fit the fast device; the planner's plan, and what it chose instead.
+
+    python benchmarks/planner.py [--part all|regret|time|memory] [--reps 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from tessera import Hybrid, PlanError
+from tessera.cluster import Cluster
+from tessera.cluster.generate import random_cluster, regular_cluster
+from tessera.models.llama import Llama, LlamaConfig
+from tessera.planner.costmodel import estimate
+from tessera.planner.costs import ModelCosts
+from tessera.planner.layout import layout_from_plan
+from tessera.planner.search import exhaustive_search, search
+from tessera.planner.simulate import simulate
+
+
+def _costs(precision: str, seq: int, **config: Any) -> ModelCosts:
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(max_seq_len=seq, **config))
+    return ModelCosts.from_model(model, seq_len=seq, precision=precision)
+
+
+def regret(n_clusters: int) -> dict:
+    costs = _costs("fp16", 2048, n_layers=4, dim=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192, vocab_size=32000)
+    rows = []
+    for seed in range(n_clusters):
+        cluster = random_cluster(seed)
+        t0 = time.perf_counter()
+        _, best_layout = exhaustive_search(cluster, costs, 8, microbatches=(1, 2, 4))
+        exhaustive_s = time.perf_counter() - t0
+        oracle = simulate(best_layout, costs).step_s
+        row = {"seed": seed, "devices": cluster.world_size, "types": sorted({n.device_type for n in cluster.nodes})}
+        for name, limit in (("planner", None), ("heuristic", 0)):
+            kwargs = {} if limit is None else {"placement_limit": limit}
+            t0 = time.perf_counter()
+            chosen = search(cluster, costs, 8, top=1, microbatches=(1, 2, 4), **kwargs)[0]
+            row[f"{name}_s"] = time.perf_counter() - t0
+            row[f"{name}_regret"] = simulate(chosen.layout, costs).step_s / oracle - 1
+        row["exhaustive_s"] = exhaustive_s
+        rows.append(row)
+        print(
+            f"seed {seed:2d}  {row['devices']} devices {'/'.join(row['types']):32s} planner regret "
+            f"{row['planner_regret']:+.4f} ({row['planner_s']:.2f} s)  heuristic {row['heuristic_regret']:+.4f} "
+            f"({row['heuristic_s']:.2f} s)  exhaustive {exhaustive_s:.1f} s",
+            flush=True,
+        )
+    summary = {
+        f"{name}_{stat}": f([r[f"{name}_regret"] for r in rows])
+        for name in ("planner", "heuristic")
+        for stat, f in (("worst", max), ("median", statistics.median))
+    }
+    print("summary", json.dumps(summary))
+    return {"rows": rows, **summary}
+
+
+def search_time(reps: int) -> dict:
+    costs = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    types = ("H100", "A100-80GB", "A100-40GB", "L4", "A10", "RTX4090")
+    rows = []
+    for devices in (16, 64, 256, 1024, 4096):
+        cluster = regular_cluster(devices, types, regions=3)
+        times, best = [], None
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            best = search(cluster, costs, 512, top=3)[0]
+            times.append(time.perf_counter() - t0)
+        p = best.plan
+        row = {
+            "devices": devices,
+            "median_s": statistics.median(times),
+            "times_s": times,
+            "best": f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} m{p.pipeline.microbatches} {p.recompute}",
+            "step_s": best.estimate.step_s,
+            "bottleneck": best.estimate.bottleneck,
+        }
+        rows.append(row)
+        print(
+            f"{devices:5d} devices  search {row['median_s']:.2f} s  best {row['best']}  {row['step_s']:.3g} s/step",
+            flush=True,
+        )
+    return {"rows": rows}
+
+
+def memory_bound() -> dict:
+    costs = _costs("fp32", 1024, n_layers=16, dim=3072, n_heads=24, n_kv_heads=24, ffn_dim=8192, vocab_size=32000)
+    cluster = Cluster.from_dict(
+        {
+            "nodes": [
+                {"name": "fast", "devices": [{"type": "quick", "count": 2}]},
+                {"name": "big", "devices": [{"type": "roomy", "count": 2}]},
+            ],
+            "device_types": {
+                "quick": {"peak_tflops": {"fp32": 80}, "memory_gib": 24, "bandwidth_gbs": 1000},
+                "roomy": {"peak_tflops": {"fp32": 20}, "memory_gib": 80, "bandwidth_gbs": 2000},
+            },
+        }
+    )
+    params = costs.stage_params(0, costs.n_layers)
+    # The speed-proportional plan: shares 4:4:1:1 of 40, plain DDP.
+    naive = estimate(layout_from_plan(Hybrid(dp_shares=[16, 16, 4, 4]), cluster, costs, 40), costs)
+    best = search(cluster, costs, 40, top=3)
+    out = {
+        "params": params,
+        "naive_fits": naive.fits,
+        "naive_step_s": naive.step_s,
+        "naive_memory_gib": [round(m.total / 2**30, 1) for m in naive.memory],
+        "capacity_gib": [round(m.capacity / 2**30, 1) for m in naive.memory],
+        "best": [],
+    }
+    print(f"{params / 1e9:.2f} B parameters, fp32 Adam: {16 * params / 2**30:.0f} GiB of model state")
+    print(
+        f"speed-proportional DDP 16:16:4:4: fits={naive.fits}, "
+        f"memory GiB {out['naive_memory_gib']} of {out['capacity_gib']}"
+    )
+    for c in best:
+        p, e = c.plan, c.estimate
+        row = {
+            "plan": f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} offload={p.offload} m{p.pipeline.microbatches} "
+            f"recompute={p.recompute} shares={p.dp_shares} stages={p.pipeline.stages} placement={p.placement}",
+            "step_s": e.step_s,
+            "memory_gib": [round(m.total / 2**30, 1) for m in e.memory],
+            "capacity_gib": [round(m.capacity / 2**30, 1) for m in e.memory],
+            "bottleneck": e.bottleneck,
+        }
+        out["best"].append(row)
+        print(f"  {row['step_s']:.3g} s/step  {row['plan']}")
+        print(f"    memory GiB {row['memory_gib']} of {row['capacity_gib']}; {row['bottleneck']}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "memory"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--clusters", type=int, default=24)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {}
+    if args.part in ("all", "regret"):
+        result["regret"] = regret(args.clusters)
+    if args.part in ("all", "time"):
+        result["search_time"] = search_time(args.reps)
+    if args.part in ("all", "memory"):
+        result["memory_bound"] = memory_bound()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PlanError as exc:
+        raise SystemExit(f"error: {exc}") from None
