@@ -14,7 +14,9 @@ time_scale, scaled by peak per device). Three plans, run in turn, --reps times e
 - drop slow: DDP with equal shares on the two fast devices only (a 2-device cluster).
 
 Reported: measured median step time and tokens/s (median over steps 3.. of each run, then over
-runs), the planner's predicted step time for each plan, and the ratios.
+runs), the planner's predicted step time for each plan, and the ratios. What emulation does not
+stretch is calibrated on this machine first and written into the cluster file: the gloo
+all-reduce bandwidth between the local ranks and the optimizer step's speed.
 
     python benchmarks/emulated_cluster.py [--reps 3] [--steps 8] [--time-scale 8] [--json out.json]
 """
@@ -49,7 +51,6 @@ FOUR = {
     "device_types": TYPES,
     "links": LINKS,
 }
-TWO = {"nodes": [FOUR["nodes"][0]], "device_types": TYPES, "links": LINKS}
 SEQ, BATCH = 64, 32
 
 
@@ -100,6 +101,35 @@ def train_worker(plan_dict: dict, steps: int) -> dict:
     return {"step_s": statistics.median(times[2:]), "losses": losses, "emulated": booster.emulator.describe()}
 
 
+def links_worker() -> dict:
+    from tessera.planner.profile import measure_links
+
+    return measure_links(sizes=(1 << 22,), repeats=5)
+
+
+def calibrate(cluster_spec: dict, costs_params: int) -> dict:
+    """The cluster file with this machine's real figures for what emulation does not stretch:
+    gloo all-reduce bandwidth between the local ranks, and the optimizer step's speed (as the
+    memory bandwidth the cost model divides 16 bytes per parameter by)."""
+    from tessera.testing import run_ranks
+
+    bus = run_ranks(links_worker, 4)[0]["all_reduce"][1 << 22]
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        opt.step()
+    step = (time.perf_counter() - t0) / 5
+    bandwidth = 16 * costs_params / step / 1e9
+    link = {"bandwidth_gbs": round(bus, 3), "latency_us": 100}
+    types = {name: {**t, "bandwidth_gbs": round(bandwidth, 3)} for name, t in cluster_spec["device_types"].items()}
+    print(f"calibrated: gloo all-reduce {bus:.2f} GB/s (bus), AdamW step {step * 1e3:.1f} ms = {bandwidth:.2f} GB/s")
+    return {**cluster_spec, "device_types": types, "links": {"intra_node": link, "inter_node": link}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -118,19 +148,24 @@ def main() -> None:
     from tessera.testing import run_ranks
 
     torch.set_num_threads(1)
-    profile = profile_model(build_model(), batch_sizes=(1, 2, 4, 8), seq_len=SEQ, repeats=5)
+    profile = profile_model(build_model(), batch_sizes=(1, 2, 4, 8, 16), seq_len=SEQ, repeats=7)
     costs = ModelCosts.from_profile(profile, peak_tflops=4.0 * args.time_scale, hidden=128)
-    four, two = Cluster.from_dict(FOUR), Cluster.from_dict(TWO)
+    four_spec = calibrate(FOUR, costs.stage_params(0, costs.n_layers))
+    two_spec = {**four_spec, "nodes": [four_spec["nodes"][0]]}
+    four, two = Cluster.from_dict(four_spec), Cluster.from_dict(two_spec)
     planned = search(four, costs, BATCH, top=1)[0].plan
     plans = {
-        "planned": (planned, four, FOUR),
-        "uniform": (DDP(), four, FOUR),
-        "drop slow": (DDP(), two, TWO),
+        "planned": (planned, four, four_spec),
+        "uniform": (DDP(), four, four_spec),
+        "drop slow": (DDP(), two, two_spec),
     }
     tmp = Path(tempfile.mkdtemp())
     measured: dict[str, list[float]] = {name: [] for name in plans}
     notes: dict[str, Any] = {}
     os.environ["TESSERA_EMULATE_SCALE"] = str(args.time_scale)
+    block = costs.parts["block"]  # blocks take the profiled line (× time scale), not this run's noisy CPU time
+    scale = costs.ref_tflops / 4.0
+    os.environ["TESSERA_EMULATE_BLOCK"] = f"{block.call_s * scale},{block.forward_s * scale},{costs.backward_ratio}"
     for rep in range(args.reps):
         for name, (plan, cluster, spec) in plans.items():  # interleaved: rep 0 of each, then rep 1 ...
             path = tmp / f"{name.replace(' ', '_')}.yaml"

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from tessera import distributed
@@ -84,7 +85,9 @@ class Booster:
         emulate = emulate or os.environ.get("TESSERA_EMULATE") or None
         device = self.plan.device_of(dist.get_rank())
         scale = float(os.environ.get("TESSERA_EMULATE_SCALE", "1"))
-        self.emulator = Emulator(emulate, device, self.plan.precision, scale) if emulate else None
+        block = os.environ.get("TESSERA_EMULATE_BLOCK")  # "call,per_sample,ratio" seconds on the fastest device
+        block_s = tuple(float(x) for x in block.split(",")) if block else None
+        self.emulator = Emulator(emulate, device, self.plan.precision, scale, block_s) if emulate else None
         self._pipeline: PipelineRunner | None = None
         self._tied: TiedWeights | None = None
 
@@ -125,6 +128,9 @@ class Booster:
                 policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
             apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
             wrapped = data_parallel.apply_data_parallel(model, self.plan, self.grad_mesh, self.device)
+            if self.emulator is not None and isinstance(wrapped, DistributedDataParallel):
+                group = dist.get_process_group_ranks(self.grad_mesh.get_group())
+                self.emulator.slow_links(wrapped, [self.plan.device_of(r) for r in group])
         self._model = wrapped
         if optimizer is None:
             return wrapped, None

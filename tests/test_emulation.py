@@ -85,3 +85,51 @@ def test_emulated_memory_accountant_refuses_what_does_not_fit() -> None:
     with pytest.raises(EmulatedOutOfMemory, match=r"emulated a:0 \(full.*GiB of model state"):
         emulator.check_memory(model)
     assert Emulator(Cluster.from_dict(SPEEDS), rank=0).check_memory(model) > 0
+
+
+def test_emulator_with_a_block_line_targets_that_line_scaled_by_speed() -> None:
+    import torch
+
+    model = build_model("llama:2")
+    emulator = Emulator(Cluster.from_dict(SPEEDS), rank=2, block_s=(0.01, 0.005, 2.0))  # half speed: 80 ms per forward
+    emulator.slow_down(model.layers)
+    x = torch.randint(0, 100, (6, 16))
+    loss_fn(model(x), x).backward()
+    block = model.layers[0]
+    assert emulator._target(block, "forward", cpu=0.0) == pytest.approx((0.01 + 0.005 * 6) * 2)
+    assert emulator._target(block, "backward", cpu=0.0) == pytest.approx((0.01 + 0.005 * 6) * 2 * 2.0)
+    assert emulator.slowed == {"forward": 2, "backward": 2} and emulator.slept_s > 0
+
+
+def _link_worker(cluster_path: str) -> float:
+    import torch
+
+    import tessera
+
+    booster = tessera.Booster(tessera.DDP(), emulate=cluster_path)
+    model = build_model("llama:2")
+    model, opt = booster.boost(model, torch.optim.AdamW(model.parameters()))
+    x = torch.randint(0, 100, (4, 16))
+    booster.backward(loss_fn(model(x), x), opt)
+    return booster.emulator.link_s
+
+
+def test_emulated_slow_link_delays_gradient_all_reduce(tmp_path: Path) -> None:
+    from tessera.testing import run_ranks
+
+    spec = {
+        "nodes": [
+            {"name": "a", "devices": [{"type": "full", "count": 1}]},
+            {"name": "b", "devices": [{"type": "full", "count": 1}]},
+        ],
+        "device_types": SPEEDS["device_types"],
+        "links": {"inter_node": {"bandwidth_gbs": 0.1, "latency_us": 1000}},
+    }
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    delays = run_ranks(_link_worker, 2, str(path))
+    n_bytes = 4 * sum(p.numel() for p in build_model("llama:2").parameters())
+    # One ring all-reduce of every gradient over 0.1 GB/s (buckets add a millisecond of latency each).
+    expected = n_bytes / 0.1e9
+    for delay in delays:
+        assert expected + 2e-3 <= delay <= expected + 2e-3 * 8, (delay, expected)

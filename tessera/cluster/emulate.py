@@ -7,6 +7,9 @@ compute), ``slowdown`` being the fastest device's peak over this device's: a qua
 device's blocks take four times as long. Sleeping, not spinning, is what keeps
 two ranks on one core honest (a busy loop would steal the other rank's time).
 
+Gradient all-reduces of DDP plans wait as long as the cluster's slowest link in the rank's
+data-parallel group would take (:meth:`Emulator.slow_links`), on top of the real transfer.
+
 The memory accountant checks, after every backward, that this rank's exact model-state bytes
 (parameters, gradients, optimizer state: :func:`tessera.memory.model_state_bytes`) fit in the
 device's usable memory, and raises :class:`EmulatedOutOfMemory` naming the device if not.
@@ -40,7 +43,17 @@ class EmulatedOutOfMemory(RuntimeError):
 class Emulator:
     """This rank as one device of ``cluster``: slower by sleeping, and held to its memory."""
 
-    def __init__(self, cluster: Cluster | str | Path, rank: int, dtype: str = "fp32", time_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        cluster: Cluster | str | Path,
+        rank: int,
+        dtype: str = "fp32",
+        time_scale: float = 1.0,
+        block_s: tuple[float, float, float] | None = None,
+    ) -> None:
+        """``block_s`` = (seconds per call, seconds per sample, backward/forward ratio) of one block's
+        forward on the fastest device: blocks then take that line scaled by speed, whatever this
+        CPU does (it must be faster); without it they take ``slowdown`` × their CPU time."""
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         devices = self.cluster.devices()
         if rank >= len(devices):
@@ -57,7 +70,11 @@ class Emulator:
         self.capacity = self.device.memory_gib * 2**30 * USABLE_MEMORY
         self.compute_s = 0.0  # real compute of hooked blocks
         self.slept_s = 0.0
+        self.link_s = 0.0  # delays added to gradient all-reduces
+        self.block_s = block_s
+        self.speed_ratio = max(peaks) / own  # the fastest device's speed over this one's
         self.slowed = {"forward": 0, "backward": 0}  # blocks slowed so far, by pass
+        self._batch: dict[int, int] = {}
         self._started: dict[int, float] = {}
 
     def describe(self) -> str:
@@ -69,16 +86,29 @@ class Emulator:
     # ---------------------------------------------------------------- speed
     def slow_down(self, blocks: Iterable[nn.Module]) -> None:
         """Make every block's forward and backward take ``slowdown`` times its real compute."""
-        if self.slowdown <= 1.0:
+        if self.slowdown <= 1.0 and self.block_s is None:
             return
         for block in blocks:
-            block.register_forward_pre_hook(self._start)
+            block.register_forward_pre_hook(self._start_forward)
             block.register_forward_hook(self._stop_hook)
             block.register_full_backward_pre_hook(self._start_backward)
             block.register_full_backward_hook(self._stop_backward)
 
     def _start(self, module: nn.Module, *args: Any) -> None:
         self._started[id(module)] = (time.perf_counter(), time.thread_time())
+
+    def _start_forward(self, module: nn.Module, args: Any) -> None:
+        if args and hasattr(args[0], "shape"):
+            self._batch[id(module)] = int(args[0].shape[0])
+        self._start(module)
+
+    def _target(self, module: nn.Module, kind: str, cpu: float) -> float:
+        """How long the block should take on this device."""
+        if self.block_s is None:
+            return self.slowdown * cpu
+        call, per_sample, ratio = self.block_s
+        forward = (call + per_sample * self._batch.get(id(module), 1)) * self.speed_ratio
+        return forward * (ratio if kind == "backward" else 1.0)
 
     def _stop(self, module: nn.Module, kind: str) -> None:
         began = self._started.pop(id(module), None)
@@ -88,7 +118,7 @@ class Emulator:
         # The block should take slowdown × its CPU time. CPU time, not wall time: a rank waiting for a
         # core shared with other ranks has not computed, and must not be stretched for it.
         wall, cpu = time.perf_counter() - began[0], time.thread_time() - began[1]
-        extra = max(0.0, self.slowdown * cpu - wall)
+        extra = max(0.0, self._target(module, kind, cpu) - wall)
         self.compute_s += cpu
         self.slept_s += extra
         time.sleep(extra)
@@ -101,6 +131,26 @@ class Emulator:
 
     def _stop_backward(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
         self._stop(module, "backward")
+
+    # ---------------------------------------------------------------- links
+    def slow_links(self, ddp: nn.Module, devices: list[int]) -> None:
+        """Delay each of DDP's gradient all-reduces by what it takes over the slowest link among
+        ``devices`` (the cluster devices of this rank's data-parallel group) — on top of the real
+        local transfer. Pipeline transfers and FSDP's collectives are not delayed yet."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        all_devices = self.cluster.devices()
+        link = self.cluster.worst_link({all_devices[d][0] for d in devices})
+        group = ddp.process_group
+
+        def delayed_all_reduce(state, bucket):  # no annotations: DDP checks them, and ours are strings
+            buffer = bucket.buffer()
+            delay = link.all_reduce_s(buffer.numel() * buffer.element_size(), len(devices))
+            self.link_s += delay
+            time.sleep(delay)
+            return default_hooks.allreduce_hook(group, bucket)
+
+        ddp.register_comm_hook(None, delayed_all_reduce)
 
     # --------------------------------------------------------------- memory
     def check_memory(self, model: nn.Module, optimizer: Any | None = None) -> int:

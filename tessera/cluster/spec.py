@@ -53,6 +53,12 @@ class Link:
         """Time to move ``n_bytes`` over this link once."""
         return self.latency_us * 1e-6 + n_bytes / (self.bandwidth_gbs * 1e9)
 
+    def all_reduce_s(self, n_bytes: float, n: int) -> float:
+        """Ring all-reduce of ``n_bytes`` over ``n`` ranks joined by this link (reduce-scatter + all-gather)."""
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) / n * n_bytes / (self.bandwidth_gbs * 1e9) + 2 * (n - 1) * self.latency_us * 1e-6
+
 
 DEFAULT_LINKS = {
     "intra_node": Link(300.0, 5.0),  # NVLink-class
@@ -109,6 +115,18 @@ class Cluster:
             return self.pair_links[pair]
         same_region = self.node(a).region == self.node(b).region
         return self.links["inter_node" if same_region else "inter_region"]
+
+    def worst_link(self, nodes: set[str]) -> Link:
+        """The slowest link between any two of ``nodes`` (the intra-node link for one node)."""
+        names = sorted(nodes)
+        if len(names) == 1:
+            return self.links["intra_node"]
+        regions = {self.node(n).region for n in names}
+        link = self.links["inter_node" if len(regions) == 1 else "inter_region"]
+        for pair, pair_link in self.pair_links.items():
+            if pair <= nodes and pair_link.bandwidth_gbs < link.bandwidth_gbs:
+                link = pair_link
+        return link
 
     # ------------------------------------------------------------- file format
     @classmethod

@@ -12,7 +12,8 @@ Two sources:
   meta device it costs nothing), forward FLOPs ``2 × params × seq`` plus attention, at an assumed
   fraction ``mfu`` of peak, and activation bytes from the layer's shape.
 - :meth:`ModelCosts.from_profile` (measured): a :class:`~tessera.planner.profile.Profile` of this
-  device, its per-sample times at the largest profiled micro-batch.
+  device; per part a line ``call + per_sample × b`` fitted to the profiled micro-batch sizes, so
+  a device given a small micro-batch is not credited with the per-sample speed of a big one.
 
 Example:
     >>> costs = ModelCosts.from_model(model, seq_len=1024, precision="bf16")
@@ -37,9 +38,12 @@ ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class PartCost:
     """One part of the model, per sample (one sequence)."""
 
-    forward_s: float  # seconds on a device of ModelCosts.ref_tflops
+    forward_s: float  # seconds per sample on a device of ModelCosts.ref_tflops
     params: int
     activation_bytes: float  # saved for backward
+    call_s: float = (
+        0.0  # seconds per call, whatever the micro-batch (launches, Python): small batches cost more per sample
+    )
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ class ModelCosts:
 
     def forward_s(self, part: str, samples: float, peak_tflops: float) -> float:
         """Forward seconds of ``part`` for ``samples`` on a device of ``peak_tflops``."""
-        return self.parts[part].forward_s * samples * self.ref_tflops / peak_tflops
+        cost = self.parts[part]
+        return (cost.call_s + cost.forward_s * samples) * self.ref_tflops / peak_tflops
 
     def stage_parts(self, first: int, end: int) -> list[tuple[str, int]]:
         """The parts of a stage holding layers ``[first, end)``, with their multiplicity."""
@@ -93,8 +98,10 @@ class ModelCosts:
     def stage_forward_s(self, first: int, end: int, samples: float, peak_tflops: float) -> float:
         key = ("forward", first, end)
         if key not in self._memo:
-            self._memo[key] = sum(self.parts[p].forward_s * k for p, k in self.stage_parts(first, end))
-        return self._memo[key] * samples * self.ref_tflops / peak_tflops
+            parts = [(self.parts[p], k) for p, k in self.stage_parts(first, end)]
+            self._memo[key] = (sum(c.call_s * k for c, k in parts), sum(c.forward_s * k for c, k in parts))
+        call, per_sample = self._memo[key]
+        return (call + per_sample * samples) * self.ref_tflops / peak_tflops
 
     def edge_activation_bytes(self, first: int, end: int) -> float:
         """Bytes per sample the first and last parts of a stage save (0 for a middle stage)."""
@@ -138,11 +145,11 @@ class ModelCosts:
         parts = {}
         for part in PARTS:
             lp = profile.layers[part]
+            call, per_sample = _line(lp.forward_s)
             b = max(lp.forward_s)
-            parts[part] = PartCost(lp.forward_s[b] / b, lp.param_bytes // 4, lp.activation_bytes[b] / b)
+            parts[part] = PartCost(per_sample, lp.param_bytes // 4, lp.activation_bytes[b] / b, call)
         block = profile.layers["block"]
-        b = max(block.forward_s)
-        ratio = block.backward_s[b] / max(block.forward_s[b], 1e-12)
+        ratio = sum(block.backward_s.values()) / max(sum(block.forward_s.values()), 1e-12)
         source = f"profile of {profile.device_type}" + (
             f" (scaled from {profile.scaled_from})" if profile.scaled_from else ""
         )
@@ -152,6 +159,17 @@ class ModelCosts:
 
     def with_precision(self, precision: str) -> ModelCosts:
         return replace(self, precision=precision, _memo={})
+
+
+def _line(times: dict[int, float]) -> tuple[float, float]:
+    """Least-squares ``time = call + per_sample × b`` over the profiled micro-batch sizes (both ≥ 0)."""
+    sizes = list(times)
+    if len(sizes) == 1:
+        return 0.0, times[sizes[0]] / sizes[0]
+    mean_b, mean_t = sum(sizes) / len(sizes), sum(times.values()) / len(sizes)
+    slope = sum((b - mean_b) * (times[b] - mean_t) for b in sizes) / sum((b - mean_b) ** 2 for b in sizes)
+    slope = max(slope, 0.0)
+    return max(mean_t - slope * mean_b, 0.0), slope
 
 
 def _shape(model: nn.Module) -> tuple[int, int, int, dict[str, int], int]:

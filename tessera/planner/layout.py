@@ -79,13 +79,6 @@ class OpTimes:
     transfer: tuple[float, ...]  # stage s → s + 1 (the same back for the gradient)
 
 
-def all_reduce_s(n_bytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of ``n_bytes`` over ``n`` ranks joined by ``link`` (reduce-scatter + all-gather)."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * n_bytes / (link.bandwidth_gbs * 1e9) + 2 * (n - 1) * link.latency_us * 1e-6
-
-
 def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes:
     """Per-stage forward/backward seconds for one micro-batch of ``replica``, and transfer seconds.
 
@@ -98,7 +91,7 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
     forward, backward = [], []
     for (first, end), unit in zip(layout.stages, replica.units):
         compute = costs.stage_forward_s(first, end, b, unit.peak_tflops) / layout.tp
-        tp_comm = 2 * (end - first) * all_reduce_s(hidden_bytes, layout.tp, unit.tp_link)
+        tp_comm = 2 * (end - first) * unit.tp_link.all_reduce_s(hidden_bytes, layout.tp)
         f = compute + tp_comm
         bwd = costs.backward_ratio * compute + tp_comm
         if layout.recompute == "full":
@@ -118,7 +111,7 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     first, end = layout.stages[stage]
     grad_bytes = 4 * costs.stage_params(first, end) / layout.tp
     factor = 1.5 if layout.zero == 3 else 1.0
-    return factor * all_reduce_s(grad_bytes, layout.dp, layout.dp_links[stage])
+    return factor * layout.dp_links[stage].all_reduce_s(grad_bytes, layout.dp)
 
 
 def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -> float:
@@ -162,7 +155,7 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
         replicas.append(ReplicaSpec(1, tuple(units), p2p, samples[r] // m))
     dp_links = tuple(
-        worst_link(cluster, {devices[order[(s * plan.dp + r) * plan.tp]][0] for r in range(plan.dp)})
+        cluster.worst_link({devices[order[(s * plan.dp + r) * plan.tp]][0] for r in range(plan.dp)})
         for s in range(plan.pp)
     )
     return Layout(
@@ -187,18 +180,5 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
         slow.peak_tflops[dtype],
         min(t.memory_gib for t in types) * 2**30 * USABLE_MEMORY,
         min(t.bandwidth_gbs for t in types),
-        worst_link(cluster, nodes),
+        cluster.worst_link(nodes),
     )
-
-
-def worst_link(cluster: Cluster, nodes: set[str]) -> Link:
-    """The slowest link between any two of ``nodes`` (the intra-node link for one node)."""
-    names = sorted(nodes)
-    if len(names) == 1:
-        return cluster.links["intra_node"]
-    regions = {cluster.node(n).region for n in names}
-    link = cluster.links["inter_node" if len(regions) == 1 else "inter_region"]
-    for pair, pair_link in cluster.pair_links.items():
-        if pair <= nodes and pair_link.bandwidth_gbs < link.bandwidth_gbs:
-            link = pair_link
-    return link

@@ -52,7 +52,6 @@ from tessera.planner.layout import (
     op_times,
     optimizer_s,
     unit_of,
-    worst_link,
 )
 
 INFEASIBLE = float("inf")
@@ -262,7 +261,7 @@ class _Placed:
             column = tuple(grid[s][r] for s in range(pp))
             p2p = tuple(cluster.link(a.node, b.node) for a, b in zip(column, column[1:]))
             kinds.setdefault((tuple(u.spec for u in column), p2p), []).append(r)
-        dp_links = tuple(worst_link(cluster, {u.node for u in row}) for row in grid)
+        dp_links = tuple(cluster.worst_link({u.node for u in row}) for row in grid)
         return cls(label, grid, tuple((*k, tuple(rs)) for k, rs in kinds.items()), dp_links)
 
 

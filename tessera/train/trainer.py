@@ -170,6 +170,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.booster = tessera.Booster(plan_from_config(cfg.plan))
         self.rank0 = dist.get_rank() == 0
+        if self.booster.emulator is not None:  # every rank says which device it plays: the run is emulated
+            print(f"EMULATED: rank {dist.get_rank()} is {self.booster.emulator.describe()}", flush=True)
         dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
         model = build_model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -305,6 +307,7 @@ class Trainer:
             title = (
                 f"{cfg.logging.run_name}: {self.n_params / 1e6:.2f}M params, "
                 f"plan zero={self.booster.plan.zero}, {dist.get_world_size()} ranks"
+                + (" (EMULATED cluster)" if self.booster.emulator is not None else "")
             )
             plot_loss(log.path, cfg.run_dir / "loss.png", title)
             if losses:
