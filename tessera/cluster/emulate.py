@@ -78,10 +78,12 @@ class Emulator:
         self._started: dict[int, float] = {}
 
     def describe(self) -> str:
-        return (
-            f"emulated {self.node}:{self.index} ({self.device.name}: blocks take {self.slowdown:.3g}x this CPU's "
-            f"compute, {self.device.memory_gib:g} GiB)"
+        pace = (
+            f"blocks take {self.speed_ratio:.3g}x the given block time"
+            if self.block_s is not None
+            else f"blocks take {self.slowdown:.3g}x this CPU's compute"
         )
+        return f"emulated {self.node}:{self.index} ({self.device.name}: {pace}, {self.device.memory_gib:g} GiB)"
 
     # ---------------------------------------------------------------- speed
     def slow_down(self, blocks: Iterable[nn.Module]) -> None:
