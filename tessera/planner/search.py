@@ -51,34 +51,26 @@ from tessera.planner.layout import (
     grad_sync_s,
     op_times,
     optimizer_s,
-    unit_of,
+)
+from tessera.planner.space import (
+    PLACEMENT_LIMIT,
+    Grid,
+    Options,
+    Unit,
+    degrees,
+    multiset_permutations,
+    option_sets,
+    placements,
+    proportional_split,
+    splits,
+    units_of,
 )
 
 INFEASIBLE = float("inf")
 # Below these counts the search enumerates instead of using heuristics.
-PLACEMENT_LIMIT = 5000
-ENUMERATE_UNITS = 8  # a "small cluster": at most this many tp groups
 EXACT_BUDGET = 200_000  # share searches one (tp, pp) may spend on enumerating placements
 SPLIT_LIMIT = 200
 MAX_MOVES = 8  # one-layer moves from the proportional split, on large clusters
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A tensor-parallel group of devices inside one node."""
-
-    node: str
-    ranks: tuple[int, ...]
-    spec: UnitSpec
-
-
-@dataclass(frozen=True)
-class Options:
-    """The memory-versus-time choices tried for every placement."""
-
-    zero: int
-    offload: bool
-    recompute: str
 
 
 @dataclass(frozen=True)
@@ -89,158 +81,6 @@ class Candidate:
     layout: Layout
     estimate: Estimate
     placement: str  # how devices were placed, in words
-
-
-Grid = tuple[tuple[Unit, ...], ...]  # grid[stage][replica]
-
-
-# ------------------------------------------------------------------- the space
-def units_of(cluster: Cluster, tp: int, dtype: str) -> list[Unit] | None:
-    """The cluster's devices as tp-sized groups inside nodes (None: some node's count is not a multiple of tp)."""
-    units, rank = [], 0
-    for node in cluster.nodes:
-        if node.count % tp:
-            return None
-        members = [(node.name, i, cluster.device_type(node.name)) for i in range(node.count)]
-        for i in range(0, node.count, tp):
-            units.append(
-                Unit(node.name, tuple(range(rank + i, rank + i + tp)), unit_of(cluster, members[i : i + tp], dtype))
-            )
-        rank += node.count
-    return units
-
-
-def degrees(cluster: Cluster, costs: ModelCosts, global_batch: int) -> Iterator[tuple[int, int, int]]:
-    """Every (tp, pp, dp) the cluster, model and batch allow."""
-    world = cluster.world_size
-    for tp in (1, 2, 4, 8):
-        if tp > 1 and (costs.heads % tp or any(n.count % tp for n in cluster.nodes)):
-            continue
-        for pp in range(1, min(costs.n_layers, world // tp) + 1):
-            if (world // tp) % pp or world % tp:
-                continue
-            dp = world // (tp * pp)
-            if dp <= global_batch:
-                yield tp, pp, dp
-
-
-def _columns_canonical(grid: Grid) -> Grid:
-    """The grid with replicas (columns) in a fixed order: placements equal up to a reordering are one."""
-    columns = sorted(zip(*grid), key=lambda col: tuple(u.ranks for u in col))
-    return tuple(zip(*columns))
-
-
-def placements(units: list[Unit], pp: int, dp: int, limit: int = PLACEMENT_LIMIT) -> list[tuple[str, Grid]]:
-    """Placements of ``units`` on a pp × dp grid: every distinct one when there are at most ``limit``
-    (units of one node are interchangeable), else the canonical ones (module docstring)."""
-    if len(units) <= ENUMERATE_UNITS and limit > 0:
-        found = _all_placements(units, pp, dp, limit)
-        if found is not None:
-            return found
-    return _canonical_placements(units, pp, dp)
-
-
-def _all_placements(units: list[Unit], pp: int, dp: int, limit: int) -> list[tuple[str, Grid]] | None:
-    by_node: dict[str, list[Unit]] = {}
-    for u in units:
-        by_node.setdefault(u.node, []).append(u)
-    seen: dict[tuple, Grid] = {}
-    for order in _multiset_permutations([u.node for u in units]):
-        pools = {n: iter(us) for n, us in by_node.items()}
-        cells = [next(pools[n]) for n in order]
-        grid = tuple(tuple(cells[s * dp + r] for r in range(dp)) for s in range(pp))
-        key = tuple(sorted(zip(*[[u.node for u in row] for row in grid])))
-        if key not in seen:
-            seen[key] = _columns_canonical(grid)
-            if len(seen) > limit:
-                return None
-    return [("enumerated", g) for g in seen.values()]
-
-
-def _multiset_permutations(items: list[str]) -> Iterator[tuple[str, ...]]:
-    """Distinct orderings of ``items`` (each once, however many repeats)."""
-    counts: dict[str, int] = {}
-    for x in items:
-        counts[x] = counts.get(x, 0) + 1
-    keys = sorted(counts)
-    out: list[str] = []
-
-    def rec() -> Iterator[tuple[str, ...]]:
-        if len(out) == len(items):
-            yield tuple(out)
-            return
-        for k in keys:
-            if counts[k]:
-                counts[k] -= 1
-                out.append(k)
-                yield from rec()
-                out.pop()
-                counts[k] += 1
-
-    return rec()
-
-
-def _canonical_placements(units: list[Unit], pp: int, dp: int) -> list[tuple[str, Grid]]:
-    def speed(u: Unit) -> float:
-        return u.spec.peak_tflops
-
-    orders = {
-        "fast first": sorted(units, key=lambda u: (-speed(u), u.ranks)),
-        "slow first": sorted(units, key=lambda u: (speed(u), u.ranks)),
-        "file order": list(units),
-    }
-    out, seen = [], set()
-    for name, order in orders.items():
-        for fill in ("stages", "replicas"):
-            if fill == "stages":
-                grid = tuple(tuple(order[s * dp + r] for r in range(dp)) for s in range(pp))
-            else:
-                grid = tuple(tuple(order[r * pp + s] for r in range(dp)) for s in range(pp))
-            grid = _columns_canonical(grid)
-            key = tuple(tuple(u.ranks for u in row) for row in grid)
-            if key not in seen:
-                seen.add(key)
-                out.append((f"{name}, filling {fill}", grid))
-    return out
-
-
-def splits(n_layers: int, pp: int) -> Iterator[tuple[tuple[int, int], ...]]:
-    """Every split of ``n_layers`` into ``pp`` non-empty contiguous stages."""
-    for cuts in itertools.combinations(range(1, n_layers), pp - 1):
-        bounds = (0, *cuts, n_layers)
-        yield tuple(zip(bounds[:-1], bounds[1:]))
-
-
-def proportional_split(costs: ModelCosts, speeds: list[float]) -> tuple[tuple[int, int], ...]:
-    """Layers per stage in proportion to stage speed, counting the first and last parts' work."""
-    pp, n = len(speeds), costs.n_layers
-    block = costs.parts["block"].forward_s or 1.0
-    extra = [costs.parts["first"].forward_s / block] + [0.0] * (pp - 2) + [costs.parts["last"].forward_s / block]
-    if pp == 1:
-        return ((0, n),)
-    total = n + sum(extra)
-    want = [max(1.0, total * v / sum(speeds) - e) for v, e in zip(speeds, extra)]
-    counts = [max(1, round(w * n / sum(want))) for w in want]
-    while sum(counts) > n:
-        counts[max((i for i in range(pp) if counts[i] > 1), key=lambda i: counts[i] - want[i])] -= 1
-    while sum(counts) < n:
-        counts[min(range(pp), key=lambda i: counts[i] - want[i])] += 1
-    bounds = [0, *itertools.accumulate(counts)]
-    return tuple(zip(bounds[:-1], bounds[1:]))
-
-
-def option_sets(dp: int, pp: int, tp: int) -> list[Options]:
-    """ZeRO stage × offload × recompute choices valid for these degrees, roughly fastest first.
-
-    ZeRO-1/2 move what DDP moves and step a 1/dp shard of the optimizer, so they come first;
-    ZeRO-3 gathers parameters again; recompute repeats the forward; offload crosses the host link.
-    """
-    zeros = (1, 2, 0, 3) if dp > 1 else (0,)
-    out = []
-    for offload in (False, True) if pp == 1 and tp == 1 and dp > 1 else (False,):
-        for recompute in ("none", "full"):
-            out.extend(Options(zero, offload, recompute) for zero in zeros if zero or not offload)
-    return out
 
 
 # ----------------------------------------------------------- one placement
@@ -393,7 +233,7 @@ def search(
         for label, grid in placements(units, pp, dp, min(placement_limit, budget // max(per_placement, 1))):
             placed = _Placed.of(cluster, label, grid)
             exact = label == "enumerated"
-            shape = tuple(tuple(u.ranks for u in row) for row in grid)
+            shape = tuple(tuple(u.devices for u in row) for row in grid)
             for m in counts:
                 for options in option_sets(dp, pp, tp):
                     found = list(_best_splits(costs, placed, tp, m, options, global_batch // m, split_limit))
@@ -492,7 +332,7 @@ def _candidate(cluster: Cluster, costs: ModelCosts, ev: _Evaluator, sizes: list[
     layout, grid = ev.layout(sizes), ev.placed.grid
     m = layout.microbatches
     samples = tuple(b * m for b in sizes)
-    placement = tuple(device for row in grid for unit in row for device in unit.ranks)
+    placement = tuple(device for row in grid for unit in row for device in unit.devices)
     devices = cluster.devices()
     plan = Plan(
         dp=layout.dp,
@@ -538,7 +378,7 @@ def exhaustive_search(
         by_node: dict[str, list[Unit]] = {}
         for u in units:
             by_node.setdefault(u.node, []).append(u)
-        for labels in _multiset_permutations([u.node for u in units]):  # units of one node are interchangeable
+        for labels in multiset_permutations([u.node for u in units]):  # units of one node are interchangeable
             pools = {n: iter(us) for n, us in by_node.items()}
             order = [next(pools[n]) for n in labels]
             grid = tuple(tuple(order[s * dp + r] for r in range(dp)) for s in range(pp))
