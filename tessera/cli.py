@@ -67,10 +67,27 @@ def _plan(args: argparse.Namespace) -> int:
         if p.dp_shares or p.pipeline.stages:
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
     best = found[0]
+    _print_launch(best.plan, cluster)
     best.plan.save(args.out)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
     return 0
+
+
+def _print_launch(plan, cluster) -> None:
+    """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn."""
+    if len(cluster.nodes) == 1:
+        return
+    devices = cluster.devices()
+    order: list[str] = []
+    for rank in range(len(devices)):
+        node = devices[plan.device_of(rank)][0]
+        if not order or order[-1] != node:
+            order.append(node)
+    launch = ", ".join(
+        f"{node} --node-rank {k} --nproc-per-node {cluster.node(node).count}" for k, node in enumerate(order)
+    )
+    print(f"launch plan 0 with torchrun --nnodes {len(order)}: {launch}")
 
 
 def _validate_training(args: argparse.Namespace) -> None:

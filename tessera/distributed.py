@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tessera.errors import NotSupportedYet, PlanError
+from tessera.errors import PlanError
 
 
 def accelerator_available() -> bool:
@@ -44,15 +44,26 @@ def pick_device(requested: str = "auto", placement: tuple[int, ...] | None = Non
 
 
 def _placed_local_index(placement: tuple[int, ...]) -> int:
-    """This rank's GPU under a planner placement; one machine only (its ranks are every rank)."""
+    """This rank's GPU under a planner placement.
+
+    On one machine, the device the placement names. On several, torchrun numbers ranks machine
+    by machine, so the planner keeps each node's devices on consecutive ranks in local order
+    (``tessera plan`` prints each node's ``--node-rank``): the GPU is then the local rank, once
+    this machine's ranks are checked to hold one node's devices in order.
+    """
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) != world:
-        raise NotSupportedYet(
-            "Plan.placement across several machines is not supported yet: torchrun numbers ranks machine by "
-            "machine, so a rank cannot be sent to another machine's device. Run the plan on one machine, "
-            "or drop Plan.placement (rank i on device i)."
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local_world == world:
+        return placement[rank]
+    block = list(placement[rank - local : rank - local + local_world])
+    if block != list(range(block[0], block[0] + local_world)):
+        raise PlanError(
+            f"Plan.placement gives this machine's ranks {rank - local}..{rank - local + local_world - 1} the cluster "
+            f"devices {block}, which are not one node's devices in order: launch each node with the --node-rank "
+            "that `tessera plan` prints for it (or plan again: planner placements keep nodes together)."
         )
-    return placement[int(os.environ.get("RANK", "0"))]
+    return local
 
 
 def default_backend() -> str:

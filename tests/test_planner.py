@@ -138,3 +138,38 @@ def test_device_without_the_precision_is_refused(costs: ModelCosts) -> None:
     cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "T4", "count": 2}]}]})
     with pytest.raises(PlanError, match="T4 has no bf16 figure"):
         search(cluster, costs.with_precision("bf16"), 8)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:10])
+def test_placements_on_several_machines_are_launchable_by_torchrun(costs: ModelCosts, seed: int) -> None:
+    """torchrun numbers ranks machine by machine: each node's devices must take consecutive ranks, in order."""
+    cluster = random_cluster(seed)
+    devices = cluster.devices()
+    for candidate in search(cluster, costs, BATCH, top=5, microbatches=MICROBATCHES):
+        plan = candidate.plan
+        runs: list[tuple[str, list[int]]] = []
+        for rank in range(cluster.world_size):
+            device = plan.device_of(rank)
+            node = devices[device][0]
+            if not runs or runs[-1][0] != node:
+                runs.append((node, []))
+            runs[-1][1].append(device)
+        assert len(runs) == len({node for node, _ in runs}), runs
+        assert all(ds == sorted(ds) for _, ds in runs), runs
+
+
+def test_runtime_maps_a_placed_rank_to_its_gpu(monkeypatch) -> None:
+    from tessera.distributed import _placed_local_index
+
+    # Two machines of 2 GPUs; the plan puts node 1's devices (2, 3) on ranks 0-1.
+    for rank, local in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert _placed_local_index((2, 3, 0, 1)) == local
+    with pytest.raises(PlanError, match="not one node's devices in order"):
+        _placed_local_index((2, 0, 3, 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: any placement, the device it names
+    monkeypatch.setenv("RANK", "1")
+    assert _placed_local_index((2, 0, 3, 1)) == 0

@@ -56,9 +56,8 @@ from tessera.planner.space import (
     PLACEMENT_LIMIT,
     Grid,
     Options,
-    Unit,
     degrees,
-    multiset_permutations,
+    grids,
     option_sets,
     placements,
     proportional_split,
@@ -375,13 +374,7 @@ def exhaustive_search(
         units = units_of(cluster, tp, costs.precision)
         if units is None:
             continue
-        by_node: dict[str, list[Unit]] = {}
-        for u in units:
-            by_node.setdefault(u.node, []).append(u)
-        for labels in multiset_permutations([u.node for u in units]):  # units of one node are interchangeable
-            pools = {n: iter(us) for n, us in by_node.items()}
-            order = [next(pools[n]) for n in labels]
-            grid = tuple(tuple(order[s * dp + r] for r in range(dp)) for s in range(pp))
+        for grid in grids(units, pp, dp):
             placed = _Placed.of(cluster, "every", grid)
             for m in microbatches:
                 if global_batch % m or global_batch // m < dp:

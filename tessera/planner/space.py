@@ -86,18 +86,42 @@ def placements(units: list[Unit], pp: int, dp: int, limit: int = PLACEMENT_LIMIT
     return _canonical_placements(units, pp, dp)
 
 
-def _all_placements(units: list[Unit], pp: int, dp: int, limit: int) -> list[tuple[str, Grid]] | None:
+def launchable(grid: Grid) -> bool:
+    """Whether ``torchrun`` can start this placement: on several machines it numbers ranks machine
+    by machine, so each node's devices must take consecutive ranks, in their local order (the
+    plan then says which ``--node-rank`` each machine gets). One machine can run any placement."""
+    devices = [(u.node, d) for row in grid for u in row for d in u.devices]
+    if len({node for node, _ in devices}) == 1:
+        return True
+    blocks: dict[str, list[int]] = {}
+    previous = None
+    for node, device in devices:
+        if node != previous and node in blocks:
+            return False  # the node's ranks would not be consecutive
+        blocks.setdefault(node, []).append(device)
+        previous = node
+    return all(ds == sorted(ds) for ds in blocks.values())
+
+
+def grids(units: list[Unit], pp: int, dp: int) -> Iterator[Grid]:
+    """Every launchable placement of ``units`` on a pp × dp grid (units of one node interchangeable)."""
     by_node: dict[str, list[Unit]] = {}
     for u in units:
         by_node.setdefault(u.node, []).append(u)
-    seen: dict[tuple, Grid] = {}
     for order in multiset_permutations([u.node for u in units]):
         pools = {n: iter(us) for n, us in by_node.items()}
         cells = [next(pools[n]) for n in order]
         grid = tuple(tuple(cells[s * dp + r] for r in range(dp)) for s in range(pp))
-        key = tuple(sorted(zip(*[[u.node for u in row] for row in grid])))
+        if launchable(grid):
+            yield grid
+
+
+def _all_placements(units: list[Unit], pp: int, dp: int, limit: int) -> list[tuple[str, Grid]] | None:
+    seen: dict[tuple, Grid] = {}
+    for grid in grids(units, pp, dp):
+        key = tuple(sorted(zip(*[[u.node for u in row] for row in grid])))  # the same up to replica order
         if key not in seen:
-            seen[key] = _columns_canonical(grid)
+            seen[key] = grid
             if len(seen) > limit:
                 return None
     return [("enumerated", g) for g in seen.values()]
@@ -142,9 +166,8 @@ def _canonical_placements(units: list[Unit], pp: int, dp: int) -> list[tuple[str
                 grid = tuple(tuple(order[s * dp + r] for r in range(dp)) for s in range(pp))
             else:
                 grid = tuple(tuple(order[r * pp + s] for r in range(dp)) for s in range(pp))
-            grid = _columns_canonical(grid)
-            key = tuple(tuple(u.devices for u in row) for row in grid)
-            if key not in seen:
+            key = tuple(tuple(u.devices for u in row) for row in _columns_canonical(grid))
+            if key not in seen and launchable(grid):
                 seen.add(key)
                 out.append((f"{name}, filling {fill}", grid))
     return out
