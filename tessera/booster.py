@@ -112,6 +112,7 @@ class Booster:
                 )
         if self.emulator is not None:  # hooks on the blocks survive splitting, tp and FSDP wrapping
             self.emulator.slow_down(data_parallel.repeated_blocks(model))
+            self.emulator.track_activations(model.parameters())
         if self.plan.pp > 1:
             # Tied weights are read here, before tp or FSDP replace parameters per module and hide the sharing.
             wrapped = self._boost_pipeline(model, [n for n in names.values() if len(n) > 1])

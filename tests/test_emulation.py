@@ -73,6 +73,8 @@ def test_emulator_slows_each_block_by_the_speed_ratio() -> None:
 
 
 def test_emulated_memory_accountant_refuses_what_does_not_fit() -> None:
+    import torch
+
     spec = {
         **SPEEDS,
         "device_types": {
@@ -82,9 +84,18 @@ def test_emulated_memory_accountant_refuses_what_does_not_fit() -> None:
     }
     emulator = Emulator(Cluster.from_dict(spec), rank=0)
     model = build_model("llama:2")
-    with pytest.raises(EmulatedOutOfMemory, match=r"emulated a:0 \(full.*GiB of model state"):
+    with pytest.raises(EmulatedOutOfMemory, match=r"emulated a:0 \(full.*GiB .*params=.*activations"):
         emulator.check_memory(model)
-    assert Emulator(Cluster.from_dict(SPEEDS), rank=0).check_memory(model) > 0
+    roomy = Emulator(Cluster.from_dict(SPEEDS), rank=0)
+    roomy.track_activations(model.parameters())
+    state = roomy.check_memory(model)
+    x = torch.randint(0, 100, (4, 16))
+    loss = loss_fn(model(x), x)
+    with_activations = roomy.check_memory(model)
+    assert with_activations > state  # the forward's saved tensors count until the next check
+    loss.backward()
+    assert roomy.check_memory(model) > state  # now gradients; activations freed
+    roomy._saved_hooks.__exit__(None, None, None)
 
 
 def test_emulator_with_a_block_line_targets_that_line_scaled_by_speed() -> None:

@@ -11,9 +11,9 @@ Gradient all-reduces of DDP plans wait as long as the cluster's slowest link in 
 data-parallel group would take (:meth:`Emulator.slow_links`), on top of the real transfer.
 
 The memory accountant checks, after every backward, that this rank's exact model-state bytes
-(parameters, gradients, optimizer state: :func:`tessera.memory.model_state_bytes`) fit in the
-device's usable memory, and raises :class:`EmulatedOutOfMemory` naming the device if not.
-Activations are not counted by the accountant (the planner's memory model does count them).
+(parameters, gradients, optimizer state: :func:`tessera.memory.model_state_bytes`) plus the
+peak bytes saved for backward since the last check fit in the device's usable memory, and
+raises :class:`EmulatedOutOfMemory` naming the device if not.
 
 Everything that ran under emulation says so: :meth:`Emulator.describe` is logged by the trainer
 and written into benchmark output.
@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from tessera.cluster.spec import Cluster
@@ -75,6 +76,7 @@ class Emulator:
         self.speed_ratio = max(peaks) / own  # the fastest device's speed over this one's
         self.slowed = {"forward": 0, "backward": 0}  # blocks slowed so far, by pass
         self._batch: dict[int, int] = {}
+        self._saved: Any = None  # SavedBytes once track_activations() runs
         self._started: dict[int, float] = {}
 
     def describe(self) -> str:
@@ -155,15 +157,28 @@ class Emulator:
         ddp.register_comm_hook(None, delayed_all_reduce)
 
     # --------------------------------------------------------------- memory
+    def track_activations(self, params: Iterable[torch.Tensor]) -> None:
+        """Count bytes saved for backward from now on, on this thread (parameters excluded)."""
+        from tessera.planner.profile import SavedBytes
+
+        self._saved = SavedBytes(exclude=params)
+        self._saved_hooks = self._saved.track()
+        self._saved_hooks.__enter__()  # for the rest of the process: every forward is counted
+
     def check_memory(self, model: nn.Module, optimizer: Any | None = None) -> int:
-        """Raise if this rank's model state does not fit the device; return the bytes counted."""
+        """Raise if this rank's model state plus its peak saved activations since the last check do
+        not fit the device; return the bytes counted."""
         from tessera.memory import model_state_bytes
 
-        used = model_state_bytes(model, optimizer)
+        state = model_state_bytes(model, optimizer)
+        activations = self._saved.peak if self._saved is not None else 0
+        if self._saved is not None:
+            self._saved.peak = self._saved.live  # the next check sees the next step's peak
+        used = int(state) + activations
         if used > self.capacity:
             raise EmulatedOutOfMemory(
-                f"{self.describe()}: this rank holds {used / 2**30:.3g} GiB of model state ({used!r}) but the device "
-                f"has {self.capacity / 2**30:.3g} GiB usable: shard more (Plan.zero), split the model (Plan.pp/tp), "
-                "or give this device a smaller part."
+                f"{self.describe()}: this rank needs {used / 2**30:.3g} GiB ({state!r}, activations "
+                f"{activations}) but the device has {self.capacity / 2**30:.3g} GiB usable: shard more (Plan.zero), "
+                "recompute activations, split the model (Plan.pp/tp), or give this device a smaller part."
             )
-        return int(used)
+        return used
