@@ -84,10 +84,7 @@ class Booster:
         self._optimizer: BoostedOptimizer | None = None
         emulate = emulate or os.environ.get("TESSERA_EMULATE") or None
         device = self.plan.device_of(dist.get_rank())
-        scale = float(os.environ.get("TESSERA_EMULATE_SCALE", "1"))
-        block = os.environ.get("TESSERA_EMULATE_BLOCK")  # "call,per_sample,ratio" seconds on the fastest device
-        block_s = tuple(float(x) for x in block.split(",")) if block else None
-        self.emulator = Emulator(emulate, device, self.plan.precision, scale, block_s) if emulate else None
+        self.emulator = Emulator.from_environment(emulate, device, self.plan.precision) if emulate else None
         self._pipeline: PipelineRunner | None = None
         self._tied: TiedWeights | None = None
 

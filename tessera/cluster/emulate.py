@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,9 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.cluster.spec import Cluster
-
-USABLE_MEMORY = 0.9  # the planner's figure (tessera.planner.layout.USABLE_MEMORY)
+from tessera.cluster.spec import USABLE_MEMORY, Cluster
 
 
 class EmulatedOutOfMemory(RuntimeError):
@@ -78,6 +77,15 @@ class Emulator:
         self._batch: dict[int, int] = {}
         self._saved: Any = None  # SavedBytes once track_activations() runs
         self._started: dict[int, float] = {}
+
+    @classmethod
+    def from_environment(cls, cluster: Cluster | str | Path, device: int, dtype: str) -> Emulator:
+        """An emulator for ``device`` with the pace the environment sets: ``TESSERA_EMULATE_SCALE`` and
+        ``TESSERA_EMULATE_BLOCK`` ("call,per_sample,ratio" seconds of a block on the fastest device)."""
+        scale = float(os.environ.get("TESSERA_EMULATE_SCALE", "1"))
+        block = os.environ.get("TESSERA_EMULATE_BLOCK")
+        block_s = tuple(float(x) for x in block.split(",")) if block else None
+        return cls(cluster, device, dtype, scale, block_s)  # type: ignore[arg-type]
 
     def describe(self) -> str:
         pace = (

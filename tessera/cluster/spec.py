@@ -38,6 +38,11 @@ from tessera.errors import nearest
 DTYPES = ("fp32", "bf16", "fp16")
 
 
+# The share of a device's memory a plan may fill: allocator fragmentation and the runtime's own
+# buffers (CUDA context, workspace) take the rest. The planner and the emulator both use it.
+USABLE_MEMORY = 0.9
+
+
 class ClusterError(ValueError):
     """A cluster description is malformed: the message names the node or link and the field."""
 

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.cluster.spec import Cluster, Link
+from tessera.cluster.spec import USABLE_MEMORY, Cluster, Link
 from tessera.errors import PlanError
 from tessera.plan import Plan
 from tessera.planner.costs import ModelCosts
 
-# A device the planner may not fill to the brim: allocator fragmentation and the runtime's own
-# buffers (CUDA context, workspace) take the rest.
-USABLE_MEMORY = 0.9
 # Host ↔ device copies for offload (PCIe 4.0 x16, one direction) and the host's own memory bandwidth.
 HOST_LINK = Link(25.0, 10.0)
 HOST_BANDWIDTH_GBS = 50.0

@@ -91,6 +91,7 @@ class _Placed:
     grid: Grid
     kinds: tuple[tuple[tuple[UnitSpec, ...], tuple[Link, ...], tuple[int, ...]], ...]  # (units, p2p, replicas)
     dp_links: tuple[Link, ...]
+    kind_of: tuple[int, ...]  # each replica's kind
 
     @classmethod
     def of(cls, cluster: Cluster, label: str, grid: Grid) -> _Placed:
@@ -101,7 +102,11 @@ class _Placed:
             p2p = tuple(cluster.link(a.node, b.node) for a, b in zip(column, column[1:]))
             kinds.setdefault((tuple(u.spec for u in column), p2p), []).append(r)
         dp_links = tuple(cluster.worst_link({u.node for u in row}) for row in grid)
-        return cls(label, grid, tuple((*k, tuple(rs)) for k, rs in kinds.items()), dp_links)
+        kind_of = [0] * dp
+        for k, replicas in enumerate(kinds.values()):
+            for r in replicas:
+                kind_of[r] = k
+        return cls(label, grid, tuple((*k, tuple(rs)) for k, rs in kinds.items()), dp_links, tuple(kind_of))
 
 
 class _Evaluator:
@@ -116,7 +121,9 @@ class _Evaluator:
         )  # fmt: skip
         self.sync = [grad_sync_s(self.base, costs, s) for s in range(pp)]  # waits for the slowest replica
         self._cache: dict[tuple[int, int], float] = {}
-        self._memory: list[tuple[float, float]] | None = None
+        # Bytes per stage are affine in the micro-batch (the units do not matter): fixed + b × per-sample.
+        at = [[sum(device_memory(self.base, costs, self.replica(0, b), s)) for s in range(pp)] for b in (0, 1)]
+        self._memory = [(fixed, one - fixed) for fixed, one in zip(*at)]
         self._ops: dict[int, list[tuple[float, float]]] = {}
         self._tail: dict[int, list[float]] = {}
         self._max_b: dict[int, float] = {}
@@ -127,19 +134,12 @@ class _Evaluator:
 
     def memory_ratio(self, kind: int, b: int) -> list[float]:
         """Each stage's predicted memory over its usable memory, for this kind of replica."""
-        if self._memory is None:  # bytes per stage are affine in the micro-batch: fixed + b × per-sample
-            at = [
-                [sum(device_memory(self.base, self.costs, self.replica(0, b), s)) for s in range(self.base.pp)]
-                for b in (0, 1)
-            ]
-            self._memory = [(fixed, one - fixed) for fixed, one in zip(*at)]
         units = self.placed.kinds[kind][0]
         return [(fixed + b * slope) / u.memory_bytes for (fixed, slope), u in zip(self._memory, units)]
 
     def max_micro_batch(self, kind: int) -> float:
         """The largest micro-batch this kind's devices hold (memory is affine in it)."""
         if kind not in self._max_b:
-            self.memory_ratio(kind, 0)
             units = self.placed.kinds[kind][0]
             self._max_b[kind] = min(
                 (u.memory_bytes - fixed) / slope if slope > 0 else (INFEASIBLE if fixed <= u.memory_bytes else -1.0)
@@ -186,14 +186,11 @@ class _Evaluator:
                 return None
             size[r] += 1
             heapq.heappush(heap, (self.time(k, size[r] + 1), k, r))
-        kind_of = self.kind_of()
+        kind_of = self.placed.kind_of
         return max(self.time(kind_of[r], size[r]) for r in range(dp)), size
 
-    def kind_of(self) -> dict[int, int]:
-        return {r: k for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs}
-
     def layout(self, sizes: list[int]) -> Layout:
-        kind_of = self.kind_of()
+        kind_of = self.placed.kind_of
         groups: dict[tuple[int, int], int] = {}
         for r, b in enumerate(sizes):
             groups[(kind_of[r], b)] = groups.get((kind_of[r], b), 0) + 1
@@ -307,7 +304,7 @@ def _moves_off(trial: _Trial) -> list[tuple[int, int]]:
         ratios = [max(r) for r in zip(*(ev.memory_ratio(k, 1) for k in range(len(ev.placed.kinds))))]
         stage = max(range(pp), key=lambda s: ratios[s])
     else:
-        kind_of = ev.kind_of()
+        kind_of = ev.placed.kind_of
         slow = max(range(ev.base.dp), key=lambda r: ev.time(kind_of[r], result[1][r]))
         times = ev.op_times(kind_of[slow], result[1][slow])
         stage = max(range(pp), key=lambda s: times.forward[s] + times.backward[s])
