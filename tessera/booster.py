@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +48,7 @@ from tessera.parallel.pipeline import (
     split_model,
 )
 from tessera.parallel.recompute import apply_recompute
+from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
 from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
@@ -72,6 +74,9 @@ class Booster:
         # ranks of one tp or sp group are neighbours and share their samples, and every stage of
         # one pipeline reads the same samples.
         self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
+        self.replica = replica_ranks(self.plan, dist.get_rank()) if self.plan.replicas is not None else None
+        if self.replica is not None:  # replicas of different depth take consecutive ranks, no grid
+            self.dp_rank = self.replica.index
         self.sp_rank = dist.get_rank() % self.plan.ulysses_size
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         self._grad_mesh: DeviceMesh | None = None
@@ -87,6 +92,8 @@ class Booster:
         self.emulator = Emulator.from_environment(emulate, device, self.plan.precision) if emulate else None
         self._pipeline: PipelineRunner | None = None
         self._tied: TiedWeights | None = None
+        self._layer_sync: LayerSync | None = None
+        self._replica_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ boost
     def boost(
@@ -110,7 +117,9 @@ class Booster:
         if self.emulator is not None:  # hooks on the blocks survive splitting, tp and FSDP wrapping
             self.emulator.slow_down(data_parallel.repeated_blocks(model))
             self.emulator.track_activations(model.parameters())
-        if self.plan.pp > 1:
+        if self.plan.replicas is not None:
+            wrapped = self._boost_replica(model, list(names.values()))
+        elif self.plan.pp > 1:
             # Tied weights are read here, before tp or FSDP replace parameters per module and hide the sharing.
             wrapped = self._boost_pipeline(model, [n for n in names.values() if len(n) > 1])
         else:
@@ -170,9 +179,61 @@ class Booster:
         )
         return pipeline_model
 
+    def _boost_replica(self, model: nn.Module, names: list[list[str]]) -> nn.Module:
+        """This rank's part of its replica under ``Plan.replicas``: the whole model, or one stage of
+        the replica's pipeline. ``names``: every name of each parameter, in model order."""
+        assert self.plan.replicas is not None and self.replica is not None
+        replica = self.plan.replicas[self.replica.index]
+        groups = replica_groups(self.plan)  # every rank makes every replica's group
+        self._replica_group = groups[self.replica.index]
+        layout = None
+        if self.plan.pipelined:
+            layout = policy_for(model, "replicas split into pipeline stages").pipeline_layout(model)
+            n_layers = len(model.get_submodule(layout.layers))
+            for i, other in enumerate(self.plan.replicas):
+                try:
+                    dataclasses.replace(self.plan.pipeline, stages=other.stages).check_layers(n_layers)
+                except PlanError as exc:
+                    raise PlanError(f"Plan.replicas[{i}]: {exc}") from None
+        if replica.depth == 1:
+            local, stages = model, [model]
+        else:
+            assert layout is not None
+            split = split_model(
+                model, layout, replica.stages, self.plan.pipeline.schedule, replica.depth, self.replica.stage
+            )
+            local, stages = PipelineModel(split), [stage for _, stage in split]
+        for stage in stages:
+            stage.to(self.device)
+            apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
+            data_parallel.apply_data_parallel(stage, self.plan, None, self.device)  # precision only: no wrapper
+        if replica.depth > 1:
+            assert isinstance(local, PipelineModel) and self._replica_group is not None
+            spec = dataclasses.replace(self.plan.pipeline, stages=replica.stages)
+            self._pipeline = PipelineRunner(local, spec, replica.depth, self._replica_group, self.device)
+        before_reduce = None
+        if self.emulator is not None:
+            emulator = self.emulator
+            before_reduce = lambda ranks, nbytes: emulator.delay_all_reduce(  # noqa: E731
+                [self.plan.device_of(r) for r in ranks], nbytes
+            )
+        self._layer_sync = LayerSync(self.plan, names, local, layout, before_reduce)
+        return local
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks over which this rank's pipeline is spread (None when it holds the whole model)."""
+        if self.plan.replicas is not None:
+            return self._replica_group
+        return self.mesh.get_group("pp") if self.plan.pp > 1 else None
+
     @property
     def mesh(self) -> DeviceMesh:
         """The device mesh: axes ("dp",), ("dp", "tp") or ("dp", "sp"), with "pp" first under pipelining."""
+        if self.plan.replicas is not None:
+            raise PlanError(
+                "Plan.replicas has no device mesh: its replicas differ in depth, so ranks form no dp × pp grid."
+            )
         if self._mesh is None:
             shape, names = [self.plan.dp], ["dp"]
             if self.plan.tp > 1:
@@ -197,6 +258,14 @@ class Booster:
     # --------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer | None = None) -> None:
         """``loss.backward()`` with the rank's share weighting and fp16 loss scaling."""
+        if self._layer_sync is not None:
+            raise PlanError(
+                "Plan.replicas trains through booster.execute_pipeline(batch, model, loss_fn, optimizer), which "
+                "also averages each layer's gradient over its holders; booster.backward alone would not."
+            )
+        self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if self.loss_weight != 1.0:
             loss = loss * self.loss_weight
         if self.scaler is not None:
@@ -244,14 +313,17 @@ class Booster:
         batch = next(data_iter) if isinstance(data_iter, Iterator) else data_iter
         inputs, target = _inputs_and_target(batch)
         if self._pipeline is None:
-            return self._accumulate(inputs, target, model, loss_fn)
-        factor = self.loss_weight * (self.scaler.scale if self.scaler is not None else 1.0)
-        with self.loss_parallel():
-            loss = self._pipeline.step(inputs, target, loss_fn, factor)
-        assert self._tied is not None
-        self._tied.sync()
-        if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
-            average_gradients(list(model.parameters()), self.grad_mesh.get_group())
+            loss = self._accumulate(inputs, target, model, loss_fn)
+        else:
+            factor = self.loss_weight * (self.scaler.scale if self.scaler is not None else 1.0)
+            with self.loss_parallel():
+                loss = self._pipeline.step(inputs, target, loss_fn, factor)
+            if self._tied is not None:
+                self._tied.sync()
+                if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
+                    average_gradients(list(model.parameters()), self.grad_mesh.get_group())
+        if self._layer_sync is not None:
+            self._layer_sync.sync()
         self._check_emulated_memory()
         return loss
 
@@ -266,7 +338,7 @@ class Booster:
             with self.no_sync(model) if i < n - 1 else contextlib.nullcontext():
                 with self.loss_parallel():
                     loss = loss_fn(model(x), y)
-                self.backward(loss / n)
+                self._backward(loss / n)
             total += distributed.local(loss.detach()).float()
         return total / n
 
@@ -280,8 +352,12 @@ class Booster:
             return torch.tensor(float("inf"))  # overflow: the step will be skipped anyway
         # Pipeline stages hold disjoint parameters: their partial norms add up over the pp group
         # (a tied weight's copies are counted on one rank only).
-        across = (self.mesh.get_group("pp"),) if self.plan.pp > 1 else ()
-        uncounted = self._tied.uncounted if self._tied is not None else set()
+        if self._layer_sync is not None:  # every gradient is counted once, by its lowest-ranked holder
+            across: tuple[Any, ...] = (dist.group.WORLD,)
+            uncounted = self._layer_sync.uncounted
+        else:
+            across = (self.mesh.get_group("pp"),) if self.plan.pp > 1 else ()
+            uncounted = self._tied.uncounted if self._tied is not None else set()
         return clip_grads_(params, max_norm, norm_type, across=across, uncounted=uncounted)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -290,7 +366,12 @@ class Booster:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the whole global batch (every rank gets the same value)."""
-        value = distributed.local(loss.detach()).float() * self.loss_weight / self.grad_mesh.size()
+        value = distributed.local(loss.detach()).float() * self.loss_weight
+        if self.replica is not None:  # each stage of a replica has its loss: count each replica once
+            value /= self.plan.dp * len(self.replica.ranks)
+            dist.all_reduce(value)
+            return value
+        value /= self.grad_mesh.size()
         dist.all_reduce(value, group=self.grad_mesh.get_group())
         return value
 
@@ -327,9 +408,10 @@ class Booster:
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             out[key] = value.detach().to("cpu", copy=True)
-        if self.plan.pp > 1:
-            parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.plan.pp)]
-            dist.all_gather_object(parts, out, group=self.mesh.get_group("pp"))
+        group = self.stage_group
+        if group is not None:
+            parts: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(group))]
+            dist.all_gather_object(parts, out, group=group)
             out = {k: v for part in parts for k, v in part.items()}
         return out
 

@@ -191,6 +191,18 @@ def _check_same_model(path: Path, expected: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint '{path}' belongs to a different model: {shown}. Nothing was loaded.")
 
 
+def _own_param_names(loaded: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Give each loaded param group this rank's parameter names, keeping its saved hyperparameters.
+
+    DCP stores a param-group list once for all ranks, so under pipeline stages or replicas it
+    names one rank's parameters only; torch then skips, or fails on, a tied weight that rank did
+    not hold under the name this rank uses."""
+    groups = loaded.get("param_groups")
+    if isinstance(groups, list) and len(groups) == len(mine.get("param_groups", ())):
+        for group, own in zip(groups, mine["param_groups"]):
+            group["params"] = list(own["params"])
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """Load model and optimizer state (any layout) from ``path``; return the trainer state."""
     path = Path(path)
@@ -208,6 +220,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
             f"checkpoint '{path}' could not be read: it is corrupted or incomplete ({reason})."
         ) from None
     state = _from_storable(state, layout)
+    _own_param_names(state["optim"], layout["optim"])
     set_model_state_dict(model, state["model"])
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):

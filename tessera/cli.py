@@ -60,11 +60,14 @@ def _plan(args: argparse.Namespace) -> int:
     for i, c in enumerate(found):
         p, e = c.plan, c.estimate
         fullest = max(m.total / m.capacity for m in e.memory)
+        dp, pp = (len(p.replicas), "mix") if p.replicas else (p.dp, p.pp)
         print(
-            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {p.dp:>3} {p.tp:>3} {p.pp:>3} {p.zero:>4} "
+            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {dp:>3} {p.tp:>3} {pp:>3} {p.zero:>4} "
             f"{p.pipeline.microbatches:>3} {p.recompute:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
         )
-        if p.dp_shares or p.pipeline.stages:
+        if p.replicas:
+            print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
+        elif p.dp_shares or p.pipeline.stages:
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
     best = found[0]
     _print_launch(best.plan, cluster)

@@ -59,6 +59,36 @@ def _as_tuple(value: Any) -> Any:
     return value
 
 
+def _check_ranges(name: str, stages: Any) -> None:
+    """Stage layer ranges: ``(first, end)`` pairs from layer 0, each starting where the last ended."""
+    if not isinstance(stages, tuple) or not stages:
+        raise PlanError(f"Plan.{name} must be a list of layer ranges [first, end], got {stages!r}.")
+    for i, stage in enumerate(stages):
+        if (
+            not isinstance(stage, tuple)
+            or len(stage) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in stage)
+            or not 0 <= stage[0] < stage[1]
+        ):
+            raise PlanError(f"Plan.{name}[{i}]={stage!r} must be a layer range (first, end) with 0 <= first < end.")
+    if stages[0][0] != 0:
+        raise PlanError(
+            f"Plan.{name}[0]={stages[0]!r} must start at layer 0: layers 0-{stages[0][0] - 1} would belong to no stage."
+        )
+    for i in range(1, len(stages)):
+        prev, this = stages[i - 1], stages[i]
+        if this[0] < prev[1]:
+            raise PlanError(
+                f"Plan.{name}[{i - 1}]={prev!r} and [{i}]={this!r} overlap: layers "
+                f"{this[0]}-{prev[1] - 1} would run twice. Stage i must start where stage i-1 ends."
+            )
+        if this[0] > prev[1]:
+            raise PlanError(
+                f"Plan.{name}[{i - 1}]={prev!r} and [{i}]={this!r} leave a gap: layers "
+                f"{prev[1]}-{this[0] - 1} belong to no stage."
+            )
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """How the model is cut into pipeline stages and scheduled.
@@ -76,33 +106,7 @@ class PipelineSpec:
         _check_int("pipeline.microbatches", self.microbatches)
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
         if self.stages is not None:
-            for i, stage in enumerate(self.stages):
-                if (
-                    not isinstance(stage, tuple)
-                    or len(stage) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in stage)
-                    or not 0 <= stage[0] < stage[1]
-                ):
-                    raise PlanError(
-                        f"Plan.pipeline.stages[{i}]={stage!r} must be a layer range (first, end) with 0 <= first < end."
-                    )
-            if self.stages and self.stages[0][0] != 0:
-                raise PlanError(
-                    f"Plan.pipeline.stages[0]={self.stages[0]!r} must start at layer 0: layers "
-                    f"0-{self.stages[0][0] - 1} would belong to no stage."
-                )
-            for i in range(1, len(self.stages)):
-                prev, this = self.stages[i - 1], self.stages[i]
-                if this[0] < prev[1]:
-                    raise PlanError(
-                        f"Plan.pipeline.stages[{i - 1}]={prev!r} and stages[{i}]={this!r} overlap: layers "
-                        f"{this[0]}-{prev[1] - 1} would run twice. Stage i must start where stage i-1 ends."
-                    )
-                if this[0] > prev[1]:
-                    raise PlanError(
-                        f"Plan.pipeline.stages[{i - 1}]={prev!r} and stages[{i}]={this!r} leave a gap: layers "
-                        f"{prev[1]}-{this[0] - 1} belong to no stage."
-                    )
+            _check_ranges("pipeline.stages", self.stages)
 
     def stages_per_rank(self, pp: int) -> int:
         """Pipeline stages each of ``pp`` ranks runs (more than one for interleaved and V schedules)."""
@@ -175,6 +179,32 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """One data-parallel replica of a plan whose replicas differ in depth (``Plan.replicas``).
+
+    ``stages``: the ``(first_layer, end_layer)`` range of each of its pipeline stages, one rank
+    each; a single stage ``((0, n_layers),)`` is a whole model on one device. ``share``: its
+    relative number of samples of every global batch.
+
+    Example (the Zorse shape: one fast device holds all 8 layers, two slow ones split them):
+        >>> Plan(replicas=(Replica(((0, 8),), share=2), Replica(((0, 4), (4, 8)), share=1)))
+        ... # doctest: +ELLIPSIS
+        Plan(...)
+    """
+
+    stages: tuple[tuple[int, int], ...]
+    share: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", _as_tuple(self.stages))
+
+    @property
+    def depth(self) -> int:
+        """Pipeline stages, and so ranks, of this replica."""
+        return len(self.stages)
+
+
+@dataclass(frozen=True)
 class Plan:
     """How one training job is laid out over the ranks of a process group.
 
@@ -199,6 +229,10 @@ class Plan:
         placement: the cluster device (its index in the cluster file's order) each rank runs on;
             the planner uses it to put each device where it belongs on the mesh (ranks are laid out
             row-major over pp, dp, tp|sp). ``None``: rank i runs on device i.
+        replicas: data-parallel replicas whose pipelines differ in depth (:class:`Replica`), instead
+            of dp × pp: replica i takes the next ``depth`` ranks, one stage each, and every layer's
+            gradient is averaged over the ranks that hold it. Needs tp = sp = pp = 1 and ZeRO-0;
+            micro-batches and schedule come from ``pipeline``.
     """
 
     dp: int | None = None
@@ -216,6 +250,7 @@ class Plan:
     device: str = "auto"
     rank_devices: tuple[str, ...] | None = None
     placement: tuple[int, ...] | None = None
+    replicas: tuple[Replica, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dp_shares", _as_tuple(self.dp_shares))
@@ -223,6 +258,8 @@ class Plan:
         object.__setattr__(self, "placement", _as_tuple(self.placement))
         if isinstance(self.pipeline, dict):
             object.__setattr__(self, "pipeline", _from_dict(PipelineSpec, self.pipeline, "pipeline"))
+        if self.replicas is not None:
+            object.__setattr__(self, "replicas", _replicas_from(self.replicas))
         if self.dp is not None:
             _check_int("dp", self.dp)
         for name in ("tp", "pp", "sp"):
@@ -257,6 +294,8 @@ class Plan:
                     f"Plan.dp_shares has {len(self.dp_shares)} entries but Plan.dp={self.dp}: "
                     "give one share per data-parallel rank."
                 )
+        if self.replicas is not None:  # before the grid checks below, whose advice would not apply
+            self._check_replicas()
         stages = self.pipeline.stages
         if stages is not None and len(stages) % self.pp:
             raise PlanError(
@@ -275,6 +314,48 @@ class Plan:
                 "Plan.offload=True needs a ZeRO stage (Plan.zero=1, 2 or 3): DDP keeps everything on the device."
             )
 
+    def _check_replicas(self) -> None:
+        """Replicas of different depth replace dp × pp: the fields that describe a grid must stay unset."""
+        assert self.replicas is not None
+        for name, value, unset in (
+            ("tp", self.tp, 1),
+            ("pp", self.pp, 1),
+            ("sp", self.sp, 1),
+            ("dp_shares", self.dp_shares, None),
+            ("pipeline.stages", self.pipeline.stages, None),
+        ):
+            if value != unset:
+                raise PlanError(
+                    f"Plan.replicas lays out every rank itself, so Plan.{name} must stay {unset} (got {value!r}): "
+                    "give each replica's stages and share in Plan.replicas instead."
+                )
+        if self.zero:
+            raise NotSupportedYet(
+                f"Plan.zero={self.zero} with Plan.replicas is not supported yet: each layer's gradient is averaged "
+                "over the ranks that hold it, and sharding over those uneven groups is not written; use zero=0."
+            )
+        if self.dp is not None and self.dp != len(self.replicas):
+            raise PlanError(
+                f"Plan.dp={self.dp} but Plan.replicas lists {len(self.replicas)} replicas: leave Plan.dp unset."
+            )
+        if self.pipeline.schedule not in SINGLE_STAGE_SCHEDULES:
+            raise PlanError(
+                f"Plan.pipeline.schedule={self.pipeline.schedule!r}: replicas of different depth run one stage per "
+                f"rank; use {' or '.join(SINGLE_STAGE_SCHEDULES)}."
+            )
+        ends = {r.stages[-1][1] for r in self.replicas}
+        if len(ends) > 1:
+            raise PlanError(
+                f"Plan.replicas end at layers {sorted(ends)}: every replica must hold the whole model "
+                "(its last stage ends at the model's last layer)."
+            )
+        for i, replica in enumerate(self.replicas):
+            if replica.depth > 1:
+                try:
+                    dataclasses.replace(self.pipeline, stages=replica.stages).check_schedule(replica.depth)
+                except PlanError as exc:
+                    raise PlanError(f"Plan.replicas[{i}]: {exc}") from None
+
     # ----------------------------------------------------------------- sizes
     @property
     def ulysses_size(self) -> int:
@@ -289,6 +370,8 @@ class Plan:
     def resolve(self, world_size: int) -> Plan:
         """Return this Plan with ``dp`` filled in for ``world_size`` ranks, checking the product and
         that the resolved sizes compose (:meth:`check_composable`)."""
+        if self.replicas is not None:
+            return self._resolve_replicas(world_size)
         mp = self.model_parallel_size
         dp = self.dp
         if dp is None:
@@ -308,6 +391,23 @@ class Plan:
                 f"Plan.dp_shares has {len(self.dp_shares)} entries but the data-parallel size is {dp} "
                 f"({world_size} ranks / tp×pp×sp={mp}): give one share per data-parallel rank."
             )
+        self._check_rank_lists(world_size)
+        resolved = dataclasses.replace(self, dp=dp)
+        resolved.check_composable()
+        return resolved
+
+    def _resolve_replicas(self, world_size: int) -> Plan:
+        assert self.replicas is not None
+        depths = [r.depth for r in self.replicas]
+        if sum(depths) != world_size:
+            raise PlanError(
+                f"Plan.replicas need {sum(depths)} ranks (depths {'+'.join(map(str, depths))}) but the job has "
+                f"{world_size}: launch {sum(depths)} ranks or change the replicas."
+            )
+        self._check_rank_lists(world_size)
+        return dataclasses.replace(self, dp=len(self.replicas))
+
+    def _check_rank_lists(self, world_size: int) -> None:
         if self.rank_devices is not None and len(self.rank_devices) != world_size:
             raise PlanError(
                 f"Plan.rank_devices names {len(self.rank_devices)} devices but the job has {world_size} ranks."
@@ -317,9 +417,12 @@ class Plan:
                 f"Plan.placement must list every device 0..{world_size - 1} exactly once (the device each rank "
                 f"runs on), got {list(self.placement)}."
             )
-        resolved = dataclasses.replace(self, dp=dp)
-        resolved.check_composable()
-        return resolved
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether some rank holds only part of the model (pipeline stages): training goes through
+        ``Booster.execute_pipeline``."""
+        return self.pp > 1 or (self.replicas is not None and any(r.depth > 1 for r in self.replicas))
 
     def device_of(self, rank: int) -> int:
         """The cluster device (file order) that ``rank`` runs on."""
@@ -327,6 +430,8 @@ class Plan:
 
     def shares(self, dp: int | None = None) -> tuple[int, ...]:
         """Relative samples per data-parallel rank (all ones when the plan is even)."""
+        if self.replicas is not None:
+            return tuple(r.share for r in self.replicas)
         dp = dp or self.dp
         if dp is None:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
@@ -390,6 +495,23 @@ class Plan:
             raise PlanError(f"Plan file {str(path)!r} does not exist.")
         text = path.read_text()
         return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+
+def _replicas_from(value: Any) -> tuple[Replica, ...]:
+    """``Plan.replicas`` as Replica objects (dicts from JSON/YAML too), each checked."""
+    if not isinstance(value, (tuple, list)) or not value:
+        raise PlanError(f"Plan.replicas must be a non-empty list of replicas (stages, share), got {value!r}.")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, dict) and "stages" not in item:
+            raise PlanError(f"Plan.replicas[{i}] has no stages: give its layer ranges, e.g. stages: [[0, 8]].")
+        replica = _from_dict(Replica, item, f"replicas[{i}]") if isinstance(item, dict) else item
+        if not isinstance(replica, Replica):
+            raise PlanError(f"Plan.replicas[{i}] must be a Replica or a mapping with stages and share, got {item!r}.")
+        _check_ranges(f"replicas[{i}].stages", replica.stages)
+        _check_int(f"replicas[{i}].share", replica.share)
+        out.append(replica)
+    return tuple(out)
 
 
 def _parse(load: Any, error: type[Exception], fmt: str, text: str) -> Any:

@@ -105,7 +105,7 @@ def tessera_run(
 ):
     """The same training through Tessera on the current ranks (call inside run_ranks).
 
-    Pipeline plans train through ``booster.execute_pipeline``; the others through the user's own
+    Pipeline and replica plans train through ``booster.execute_pipeline``; the others through the user's own
     forward/backward loop. The first step's full gradients come back too (rank 0)."""
     import torch.distributed as dist
 
@@ -119,7 +119,7 @@ def tessera_run(
     for step, batch in enumerate(loader):
         if step == steps:
             break
-        if booster.plan.pp > 1:
+        if booster.plan.pp > 1 or booster.plan.replicas is not None:
             loss = booster.execute_pipeline(batch, model, loss_fn, opt)
         else:
             with booster.loss_parallel():
@@ -147,9 +147,10 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
     for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied weights under every name
         g = p.grad
         out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
-    if booster.plan.pp > 1:
-        parts = [{} for _ in range(booster.plan.pp)]
-        dist.all_gather_object(parts, out, group=booster.mesh.get_group("pp"))
+    group = booster.stage_group
+    if group is not None:
+        parts = [{} for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(parts, out, group=group)
         out = {k: v for part in parts for k, v in part.items()}
     return out
 

@@ -48,7 +48,13 @@ def test_planner_output_trains_like_one_process_on_emulated_devices(cluster_file
     best = Auto(cluster_file, model, global_batch_size=BATCH)
     # The runners-up too: uneven shares with a different placement.
     others = [c.plan for c in plan_for(cluster_file, model, BATCH, top=8)[1:] if c.plan.dp_shares is not None]
-    plans = [best, *others[:2]]
+    # And replicas whose pipelines differ in depth (two full-speed devices as one two-stage pipeline).
+    mixed = next(
+        c.plan
+        for c in plan_for(cluster_file, model, BATCH, top=40)
+        if c.plan.replicas is not None and len({r.depth for r in c.plan.replicas}) > 1
+    )
+    plans = [best, *others[:2], mixed]
     assert any(p.placement is not None for p in plans), "no plan moves devices on the mesh: the test would not see it"
     assert any(p.dp_shares is not None for p in plans)
     assert any(p.pp > 1 and len({e - s for s, e in p.pipeline.stages}) > 1 for p in plans)

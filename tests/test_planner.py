@@ -173,3 +173,27 @@ def test_runtime_maps_a_placed_rank_to_its_gpu(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: any placement, the device it names
     monkeypatch.setenv("RANK", "1")
     assert _placed_local_index((2, 0, 3, 1)) == 0
+
+
+def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCosts, tmp_path) -> None:
+    """Seed 19: one A100-80GB beside 2 + 4 T4s over two regions (7 devices: no dp × pp grid but dp 7).
+    The best plan gives each pool its own pipeline depth, beats every grid plan, and is costed,
+    simulated and rebuilt from its Plan alike."""
+    from tessera.planner.draw import draw
+
+    cluster = random_cluster(19)
+    found = search(cluster, costs, BATCH, top=60, microbatches=MICROBATCHES)
+    best = found[0]
+    assert best.plan.replicas is not None
+    assert sorted(r.depth for r in best.plan.replicas) == [1, 2, 4], best.placement
+    grid = next(c for c in found if c.plan.replicas is None)
+    assert best.estimate.step_s < grid.estimate.step_s * 0.8
+    assert best.plan.resolve(cluster.world_size).dp == 3
+    rebuilt = layout_from_plan(best.plan, cluster, costs, BATCH)
+    assert math.isclose(estimate(rebuilt, costs).step_s, best.estimate.step_s, rel_tol=1e-9)
+    sim = simulate(best.layout, costs).step_s
+    assert abs(sim - best.estimate.step_s) / sim <= 0.05
+    assert {(e.replica, e.stage) for e in simulate(best.layout, costs).events} == {
+        (r, s) for r, replica in enumerate(best.plan.replicas) for s in range(replica.depth)
+    }
+    assert draw(best, cluster, costs, tmp_path / "mixed.png").read_bytes()[:4] == b"\x89PNG"

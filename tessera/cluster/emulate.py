@@ -151,18 +151,22 @@ class Emulator:
         local transfer. Pipeline transfers and FSDP's collectives are not delayed yet."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        all_devices = self.cluster.devices()
-        link = self.cluster.worst_link({all_devices[d][0] for d in devices})
         group = ddp.process_group
 
         def delayed_all_reduce(state, bucket):  # no annotations: DDP checks them, and ours are strings
             buffer = bucket.buffer()
-            delay = link.all_reduce_s(buffer.numel() * buffer.element_size(), len(devices))
-            self.link_s += delay
-            time.sleep(delay)
+            self.delay_all_reduce(devices, buffer.numel() * buffer.element_size())
             return default_hooks.allreduce_hook(group, bucket)
 
         ddp.register_comm_hook(None, delayed_all_reduce)
+
+    def delay_all_reduce(self, devices: list[int], nbytes: int) -> None:
+        """Sleep as long as an all-reduce of ``nbytes`` among cluster ``devices`` takes over their slowest link."""
+        all_devices = self.cluster.devices()
+        link = self.cluster.worst_link({all_devices[d][0] for d in devices})
+        delay = link.all_reduce_s(nbytes, len(devices))
+        self.link_s += delay
+        time.sleep(delay)
 
     # --------------------------------------------------------------- memory
     def track_activations(self, params: Iterable[torch.Tensor]) -> None:

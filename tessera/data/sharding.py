@@ -30,8 +30,9 @@ def split_batch(global_batch_size: int, shares: Sequence[int]) -> list[int]:
     if global_batch_size % total:
         lower = global_batch_size - global_batch_size % total
         raise PlanError(
-            f"global_batch_size={global_batch_size} cannot be split in the proportions Plan.dp_shares="
-            f"{tuple(shares)} (sum {total}): use a multiple of {total}, e.g. {lower or total} or {lower + total}."
+            f"global_batch_size={global_batch_size} cannot be split in the proportions of the data-parallel "
+            f"shares (Plan.dp_shares or Plan.replicas[i].share) {tuple(shares)} (sum {total}): use a multiple "
+            f"of {total}, e.g. {lower or total} or {lower + total}."
         )
     return [global_batch_size * s // total for s in shares]
 

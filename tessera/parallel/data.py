@@ -52,14 +52,16 @@ def _autocast_forward(model: nn.Module, device: torch.device, dtype: torch.dtype
     model.forward = torch.autocast(device_type=device.type, dtype=dtype)(forward)  # type: ignore[method-assign]
 
 
-def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh)."""
+def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
+    """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh; None under Plan.replicas)."""
     dtype = DTYPES[plan.precision]
     if not uses_fsdp(plan):
         model.to(device)
         if dtype != torch.float32:
             _autocast_forward(model, device, dtype)
         if plan.pp > 1:  # the schedule runs backward: gradients are averaged after it (pipeline.average_gradients)
+            return model
+        if plan.replicas is not None:  # averaged per layer over its holders (replicas.LayerSync)
             return model
         if plan.tp > 1:
             return _replicate(model, mesh)

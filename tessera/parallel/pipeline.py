@@ -110,7 +110,7 @@ def split_model(
     ]
 
 
-def _stage_of(name: str, layout: PipelineLayout, ranges: Ranges) -> int | None:
+def stage_of(name: str, layout: PipelineLayout, ranges: Ranges) -> int | None:
     """The stage that holds parameter ``name`` (None: a module every stage holds)."""
     if any(name.startswith(m + ".") for m in layout.first):
         return 0
@@ -146,7 +146,7 @@ class TiedWeights:
         self.synced: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
         self.uncounted: set[int] = set()  # ids of copies another rank counts in the norm
         for names in tied:
-            holders = sorted({owners[s] for n in names if (s := _stage_of(n, layout, ranges)) is not None})
+            holders = sorted({owners[s] for n in names if (s := stage_of(n, layout, ranges)) is not None})
             if len(holders) < 2:  # one rank holds every use (V schedules): gradients meet locally ...
                 if len({id(held[n]) for n in names if n in held}) > 1:  # ... unless wrapping split the tie
                     raise PlanError(

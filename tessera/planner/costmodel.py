@@ -179,7 +179,12 @@ def fits(layout: Layout, costs: ModelCosts) -> bool:
 
 
 def estimate(layout: Layout, costs: ModelCosts) -> Estimate:
-    """Step time, throughput, memory per device and the bottleneck of ``layout``."""
+    """Step time, throughput, memory per device and the bottleneck of ``layout`` (a Layout, or
+    replicas of different depth: :func:`tessera.planner.mixed.mixed_estimate`)."""
+    from tessera.planner.mixed import MixedLayout, mixed_estimate  # it builds on this module
+
+    if isinstance(layout, MixedLayout):
+        return mixed_estimate(layout, costs)
     step, pipes, syncs, opt = step_time(layout, costs)
     memory = []
     for i, replica in enumerate(layout.replicas):

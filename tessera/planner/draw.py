@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessera.cluster.spec import Cluster
+from tessera.parallel.replicas import replica_ranks
 from tessera.planner.costs import ModelCosts
 from tessera.planner.simulate import simulate
 
@@ -27,12 +28,16 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
     import matplotlib.pyplot as plt
 
     plan, layout = candidate.plan, candidate.layout
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * max(8, layout.pp * len(layout.replicas))))
+    if plan.replicas is not None:  # replicas of different depth: one row per rank
+        rows, shape = cluster.world_size, f"replicas of depths {'+'.join(str(r.depth) for r in plan.replicas)}"
+    else:
+        rows, shape = layout.pp * len(layout.replicas), f"dp={plan.dp} tp={plan.tp} pp={plan.pp}"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * max(8, rows)))
     _devices(left, plan, cluster, plt.get_cmap("tab20"))
     _timeline(right, layout, costs)
     est = candidate.estimate
     fig.suptitle(
-        f"dp={plan.dp} tp={plan.tp} pp={plan.pp} zero={plan.zero} microbatches={plan.pipeline.microbatches}: "
+        f"{shape} zero={plan.zero} microbatches={plan.pipeline.microbatches}: "
         f"{est.step_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s; bottleneck: {est.bottleneck}"
     )
     fig.tight_layout()
@@ -46,11 +51,15 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
     """One square per device, row per node, coloured by stage, labelled with its replica."""
     devices = cluster.devices()
     where = {plan.device_of(rank): rank for rank in range(len(devices))}
-    per_stage = plan.dp * plan.tp
+    per_stage = (plan.dp or 1) * plan.tp
     row_of = {node.name: i for i, node in enumerate(cluster.nodes)}
     for index, (node, local, _) in enumerate(devices):
         rank = where[index]
-        stage, replica = rank // per_stage, (rank % per_stage) // plan.tp
+        if plan.replicas is not None:  # replicas of different depth take consecutive ranks
+            position = replica_ranks(plan, rank)
+            stage, replica = position.stage, position.index
+        else:
+            stage, replica = rank // per_stage, (rank % per_stage) // plan.tp
         y = row_of[node]
         ax.add_patch(_square(local, y, cmap(stage % 20)))
         ax.text(local + 0.5, y + 0.5, f"s{stage}\nr{replica}", ha="center", va="center", fontsize=7)

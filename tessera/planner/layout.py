@@ -124,6 +124,10 @@ def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -
 def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> Layout:
     """The Layout of a resolved ``plan`` on ``cluster`` (rank i runs on cluster device
     ``plan.device_of(i)``, in the cluster file's order)."""
+    if plan.replicas is not None:  # replicas of different depth: no grid
+        from tessera.planner.mixed import mixed_layout_from_plan
+
+        return mixed_layout_from_plan(plan, cluster, costs, global_batch)  # type: ignore[return-value]
     world = cluster.world_size
     plan = plan.resolve(world)
     devices = cluster.devices()

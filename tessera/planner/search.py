@@ -21,6 +21,8 @@ How it is searched, one level at a time:
    micro-batch, so handing out samples one micro-batch at a time to the replica that would
    finish soonest is optimal (the greedy is exact for a min–max of increasing functions).
 5. ZeRO stage, offload, recompute and micro-batch count: each combination, best kept.
+6. Beside the grid: replicas whose pipelines differ in depth, one depth per pool of alike
+   devices (:mod:`tessera.planner.mixed`), judged by the same cost functions.
 
 :func:`exhaustive_search` tries every placement, split and share vector instead; tests and the
 regret benchmark hold the planner to it.
@@ -52,6 +54,7 @@ from tessera.planner.layout import (
     op_times,
     optimizer_s,
 )
+from tessera.planner.mixed import MixedLayout, mixed_candidates
 from tessera.planner.space import (
     PLACEMENT_LIMIT,
     Grid,
@@ -77,7 +80,7 @@ class Candidate:
     """One planned layout: the Plan to run, its Layout and the cost model's estimate."""
 
     plan: Plan
-    layout: Layout
+    layout: Layout | MixedLayout
     estimate: Estimate
     placement: str  # how devices were placed, in words
 
@@ -125,7 +128,12 @@ class _Evaluator:
         at = [[sum(device_memory(self.base, costs, self.replica(0, b), s)) for s in range(pp)] for b in (0, 1)]
         self._memory = [(fixed, one - fixed) for fixed, one in zip(*at)]
         self._ops: dict[int, list[tuple[float, float]]] = {}
-        self._tail: dict[int, list[float]] = {}
+        # After the slowest replica of each stage: its sync, then the slowest optimizer step of the stage
+        # (every replica's, whatever its share: so the greedy shares below stay exact).
+        self.tail = [
+            self.sync[s] + max(optimizer_s(self.base, costs, s, units[s]) for units, _, _ in placed.kinds)
+            for s in range(pp)
+        ]
         self._max_b: dict[int, float] = {}
 
     def replica(self, kind: int, b: int, count: int = 1) -> ReplicaSpec:
@@ -163,13 +171,8 @@ class _Evaluator:
             if b > self.max_micro_batch(kind):
                 self._cache[key] = INFEASIBLE
             else:
-                if kind not in self._tail:  # after the slowest replica: sync, then this kind's optimizer step
-                    units = self.placed.kinds[kind][0]
-                    self._tail[kind] = [
-                        self.sync[s] + optimizer_s(self.base, self.costs, s, u) for s, u in enumerate(units)
-                    ]
                 finish = stage_finish_s(self.op_times(kind, b), self.base.microbatches, self.base.schedule)
-                self._cache[key] = max(f + t for f, t in zip(finish, self._tail[kind]))
+                self._cache[key] = max(f + t for f, t in zip(finish, self.tail))
         return self._cache[key]
 
     def shares(self, units_total: int) -> tuple[float, list[int]] | None:
@@ -217,7 +220,7 @@ def search(
     from a proportional one.
     """
     _check_batch(cluster, costs, global_batch)
-    best: dict[tuple, tuple[float, int, tuple]] = {}  # the best plan of each shape (degrees, placement, m)
+    best: dict[tuple, tuple[float, int, object]] = {}  # the best plan of each shape (degrees, placement, m)
     counter = itertools.count()
     for tp, pp, dp in degrees(cluster, costs, global_batch):
         units = units_of(cluster, tp, costs.precision)
@@ -239,13 +242,19 @@ def search(
                             best[(shape, m)] = entry
                     if found and not exact:
                         break  # options run from fastest to most frugal: the first that fits wins
+    counts = tuple(m for m in microbatches if global_batch % m == 0)
+    for step, plan, layout, label in mixed_candidates(cluster, costs, global_batch, counts):
+        key = ("mixed", label, plan.pipeline.microbatches)
+        entry = (step, next(counter), (plan, layout, label))
+        if key not in best or entry < best[key]:
+            best[key] = entry
     if not best:
         raise PlanError(
             f"no plan fits: every layout of this model on the cluster's {cluster.world_size} devices runs out of "
             "memory even with ZeRO-3, offload and full recompute; add devices or memory, or shrink the model."
         )
     ranked = heapq.nsmallest(top, best.values(), key=lambda e: e[:2])
-    return [_candidate(cluster, costs, ev, sizes) for _, _, (ev, sizes) in ranked]
+    return [_candidate(cluster, costs, *payload) for _, _, payload in ranked]
 
 
 def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit):
@@ -324,7 +333,11 @@ def _move_boundary(stages, i: int, delta: int):
     return tuple(zip(bounds[:-1], bounds[1:]))
 
 
-def _candidate(cluster: Cluster, costs: ModelCosts, ev: _Evaluator, sizes: list[int]) -> Candidate:
+def _candidate(cluster: Cluster, costs: ModelCosts, *payload) -> Candidate:
+    if isinstance(payload[0], Plan):  # replicas of different depth, planned whole
+        plan, mixed, label = payload
+        return Candidate(plan, mixed, estimate(mixed, costs), label)
+    ev, sizes = payload
     layout, grid = ev.layout(sizes), ev.placed.grid
     m = layout.microbatches
     samples = tuple(b * m for b in sizes)
@@ -363,9 +376,15 @@ def _check_batch(cluster: Cluster, costs: ModelCosts, global_batch: int) -> None
 # ---------------------------------------------------------------- exhaustive
 def exhaustive_search(
     cluster: Cluster, costs: ModelCosts, global_batch: int, microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-) -> tuple[float, Layout | None]:
-    """The best step time over every placement, split and share vector (small clusters only)."""
-    best, best_layout = INFEASIBLE, None
+) -> tuple[float, Layout | MixedLayout | None]:
+    """The best step time over every placement, split and share vector (small clusters only),
+    and over every depth per pool, split and share vector of replicas of different depth."""
+    best: float = INFEASIBLE
+    best_layout: Layout | MixedLayout | None = None
+    counts = tuple(m for m in microbatches if global_batch % m == 0)
+    for step, _, mixed, _ in mixed_candidates(cluster, costs, global_batch, counts, exhaustive=True):
+        if step < best:
+            best, best_layout = step, mixed
     judged: dict[Layout, float] = {}  # different placements often give the same layout
     for tp, pp, dp in degrees(cluster, costs, global_batch):
         units = units_of(cluster, tp, costs.precision)

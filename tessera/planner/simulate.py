@@ -16,10 +16,11 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import Layout, grad_sync_s, op_times, optimizer_s
+from tessera.planner.mixed import MixedLayout, sync_s
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,10 @@ def _replay(layout: Layout, costs: ModelCosts, index: int) -> list[Event]:
     return events
 
 
-def simulate(layout: Layout, costs: ModelCosts) -> Simulation:
+def simulate(layout: Layout | MixedLayout, costs: ModelCosts) -> Simulation:
     """Replay one step of ``layout``: every replica class's pipeline, then sync and optimizer per stage."""
+    if isinstance(layout, MixedLayout):
+        return _simulate_mixed(layout, costs)
     events: list[Event] = []
     for index in range(len(layout.replicas)):
         events.extend(_replay(layout, costs, index))
@@ -101,6 +104,24 @@ def simulate(layout: Layout, costs: ModelCosts) -> Simulation:
         sync_end = finish + grad_sync_s(layout, costs, s)
         for index, replica in enumerate(layout.replicas):
             opt_end = sync_end + optimizer_s(layout, costs, s, replica.units[s])
+            events.append(Event(index, s, "sync", -1, finish, sync_end))
+            events.append(Event(index, s, "optimizer", -1, sync_end, opt_end))
+            step = max(step, opt_end)
+    return Simulation(step, tuple(events))
+
+
+def _simulate_mixed(layout: MixedLayout, costs: ModelCosts) -> Simulation:
+    """Replicas of different depth: each one's pipeline, then (as the runtime does) every layer's
+    gradient averaged once all are done, then each device's optimizer step."""
+    events: list[Event] = []
+    for index, part in enumerate(layout.parts):
+        events.extend(replace(e, replica=index) for e in _replay(part, costs, 0))
+    finish = max(e.end for e in events)
+    sync_end = finish + sync_s(costs, layout.sync_link, len(layout.parts))
+    step = sync_end
+    for index, part in enumerate(layout.parts):
+        for s, unit in enumerate(part.replicas[0].units):
+            opt_end = sync_end + optimizer_s(part, costs, s, unit)
             events.append(Event(index, s, "sync", -1, finish, sync_end))
             events.append(Event(index, s, "optimizer", -1, sync_end, opt_end))
             step = max(step, opt_end)

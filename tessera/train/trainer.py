@@ -127,9 +127,12 @@ def train_step(
     except RuntimeError as exc:
         if not _is_timeout(exc):
             raise
-        ranks = dist.get_process_group_ranks(booster.mesh.get_group("dp"))
+        if booster.plan.replicas is None:
+            where = f"the data-parallel group 'dp' (ranks {dist.get_process_group_ranks(booster.mesh.get_group('dp'))})"
+        else:
+            where = f"the ranks of Plan.replicas (0-{dist.get_world_size() - 1})"
         raise CollectiveTimeout(
-            f"step {step}: a collective on the data-parallel group 'dp' (ranks {ranks}) did not complete "
+            f"step {step}: a collective on {where} did not complete "
             f"within train.timeout_s={timeout_s:g} s on rank {dist.get_rank()}: another rank died, hung or never "
             "arrived. Check that rank's log; restart with --resume to continue from the last checkpoint."
         ) from None
@@ -299,7 +302,7 @@ class Trainer:
         # A pipeline stage cannot generate alone: sampling would need a pipelined decode loop.
         sample = (
             generate(self.model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, self.booster.device)
-            if cfg.train.sample_bytes and self.booster.plan.pp == 1
+            if cfg.train.sample_bytes and not self.booster.plan.pipelined
             else ""
         )
         if log is not None:

@@ -1,0 +1,133 @@
+"""Data-parallel replicas whose pipelines differ in depth (``Plan.replicas``): the plan shape Zorse
+argues for, e.g. one fast device holding every layer next to two slow ones splitting them.
+
+Replica i takes the next ``depth_i`` ranks, one pipeline stage each (depth 1: the whole model on
+one rank). A layer sits on one rank of every replica, but not at the same pipeline position, so
+there is no dp × pp grid to average over: each parameter's gradient is averaged over exactly the
+ranks that hold it, with one process group per distinct set of holders and one flat all-reduce
+per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.models.policies.base import PipelineLayout
+from tessera.parallel.pipeline import stage_of
+from tessera.plan import Plan
+
+
+@dataclass(frozen=True)
+class ReplicaRanks:
+    """Where one rank sits: its replica, its stage in that replica, and the replica's ranks in stage order."""
+
+    index: int
+    stage: int
+    ranks: tuple[int, ...]
+
+
+def replica_ranks(plan: Plan, rank: int) -> ReplicaRanks:
+    """The replica and stage of ``rank`` under ``plan.replicas`` (replicas take consecutive ranks)."""
+    assert plan.replicas is not None
+    first = 0
+    for index, replica in enumerate(plan.replicas):
+        if rank < first + replica.depth:
+            return ReplicaRanks(index, rank - first, tuple(range(first, first + replica.depth)))
+        first += replica.depth
+    raise ValueError(f"rank {rank} is past the {first} ranks of Plan.replicas")
+
+
+def replica_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
+    """One process group per replica (None for a one-rank replica); every rank makes every group."""
+    assert plan.replicas is not None
+    groups: list[dist.ProcessGroup | None] = []
+    first = 0
+    for replica in plan.replicas:
+        ranks = list(range(first, first + replica.depth))
+        groups.append(dist.new_group(ranks) if len(ranks) > 1 else None)
+        first += replica.depth
+    return groups
+
+
+def holders(plan: Plan, names: list[str], layout: PipelineLayout | None) -> tuple[int, ...]:
+    """The ranks holding the parameter known by ``names`` (several for a tied weight): in each
+    replica, the rank of the stage that holds each name (every stage's, for a module all stages hold)."""
+    assert plan.replicas is not None
+    out: set[int] = set()
+    first = 0
+    for replica in plan.replicas:
+        if replica.depth == 1:
+            out.add(first)
+        else:
+            assert layout is not None
+            stages = {stage_of(n, layout, replica.stages) for n in names}
+            out.update(first + s for s in (range(replica.depth) if None in stages else stages))  # type: ignore[arg-type]
+        first += replica.depth
+    return tuple(sorted(out))
+
+
+class LayerSync:
+    """Averages every gradient over the ranks that hold its parameter, once per step.
+
+    The sum over all holders is the sum of every replica's full gradient, also for a tied weight
+    whose copies sit on two stages of one replica (each copy holds the part of its own use), so
+    one all-reduce per group, divided by the number of replicas, both joins ties and averages
+    replicas; afterwards every copy holds the same gradient. Each shared gradient is counted in
+    the global norm by its lowest-ranked holder only (``uncounted`` lists the other copies here).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        tied: list[list[str]],
+        local: nn.Module,
+        layout: PipelineLayout | None,
+        before_reduce: Callable[[tuple[int, ...], int], None] | None = None,
+    ) -> None:
+        """``tied``: every name of each parameter of the whole model, in model order; ``local``: this
+        rank's part; ``before_reduce(holder ranks, bytes)``: called before each all-reduce (emulated links)."""
+        assert plan.replicas is not None
+        self.replicas = len(plan.replicas)
+        self.before_reduce = before_reduce
+        rank = dist.get_rank()
+        held = dict(local.named_parameters(remove_duplicate=False))
+        by_holders: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        self.uncounted: set[int] = set()
+        for names in tied:
+            ranks = holders(plan, names, layout)
+            param = next((held[n] for n in names if n in held), None)
+            by_holders.setdefault(ranks, [])
+            if rank in ranks:
+                assert param is not None, f"rank {rank} should hold {names[0]}"
+                by_holders[ranks].append(param)
+                if rank != ranks[0]:
+                    self.uncounted.add(id(param))
+        self.groups: list[tuple[tuple[int, ...], dist.ProcessGroup, list[nn.Parameter]]] = []
+        for ranks in sorted(by_holders):  # every rank makes every group, in the same order
+            if len(ranks) > 1:
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    self.groups.append((ranks, group, by_holders[ranks]))
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Average this rank's gradients with their other holders (call after every backward)."""
+        for ranks, group, params in self.groups:  # the same order on every rank: no cross waits
+            for p in params:
+                if p.grad is None:  # an unused parameter still takes part, so the collectives match
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            if self.before_reduce is not None:
+                self.before_reduce(ranks, flat.numel() * flat.element_size())
+            dist.all_reduce(flat, group=group)
+            flat /= self.replicas
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))  # type: ignore[union-attr]
+                offset += g.numel()  # type: ignore[union-attr]

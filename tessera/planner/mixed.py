@@ -1,0 +1,345 @@
+"""Replicas whose pipelines differ in depth (``Plan.replicas``): their cost and their search.
+
+The grid planner gives every replica the same stages. Here each *pool* (a run of alike devices
+next to each other in one node, in cluster-file order) is cut into replicas of its own depth:
+a fast 80 GiB device can hold every layer alone while small-memory ones pair up as two-stage
+pipelines (the shape Zorse argues for). Ranks follow the cluster file, so every such plan is
+launchable by torchrun as it stands.
+
+Cost. A replica of depth d is costed as a one-replica :class:`Layout` (pp = d) by the same
+functions as the grid: :func:`pipeline_s`, :func:`device_memory`, :func:`optimizer_s`. The
+runtime averages each layer's gradient over the ranks that hold it once every pipeline is done,
+so the step is::
+
+    step = max_r ( pipeline_r + optimizer_r ) + sync,
+    sync = all-reduce of every fp32 gradient among the R replicas over the slowest link
+
+(the slowest optimizer is counted with its own replica, not after every replica's pipeline: a
+small optimism that keeps replicas independent given their micro-batch sizes).
+
+Search. Given its micro-batch size each replica takes its fastest layer split that fits, so
+its time is an increasing function of that size and the greedy share rule of
+:mod:`tessera.planner.search` is exact again. Depths are enumerated per pool (every divisor of
+the pool's size) when there are at most :data:`DEPTH_LIMIT` combinations, else each pool takes
+the smallest depth that fits.
+
+Example:
+    >>> found = list(mixed_candidates(cluster, costs, global_batch=32, counts=(2, 4)))
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from tessera.cluster.spec import Cluster, Link
+from tessera.plan import PipelineSpec, Plan, Replica
+from tessera.planner.costmodel import DeviceMemory, Estimate, _bottleneck, device_memory, pipeline_s
+from tessera.planner.costs import ModelCosts
+from tessera.planner.layout import Layout, ReplicaSpec, UnitSpec, op_times, optimizer_s, unit_of
+from tessera.planner.space import proportional_split, splits
+
+DEPTH_LIMIT = 64  # depth combinations enumerated; above it, each pool's smallest depth that fits
+MAX_DEVICES = 64  # larger clusters are planned on the grid only (search time)
+SPLIT_LIMIT = 200
+INFEASIBLE = float("inf")
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Alike devices next to each other in one node (cluster-file indices), and their unit."""
+
+    devices: tuple[int, ...]
+    unit: UnitSpec
+    link: Link  # inside the node: between a replica's stages
+
+
+@dataclass(frozen=True)
+class MixedLayout:
+    """Replicas of several depths: one one-replica Layout per replica (pp = its depth, dp = R)."""
+
+    parts: tuple[Layout, ...]
+    sync_link: Link
+    devices: tuple[tuple[int, ...], ...] = field(default=())  # each replica's cluster devices, stage order
+
+    @property
+    def microbatches(self) -> int:
+        return self.parts[0].microbatches
+
+    @property
+    def global_batch(self) -> int:
+        return sum(p.replicas[0].micro_batch for p in self.parts) * self.microbatches
+
+
+def pools(cluster: Cluster, dtype: str) -> list[Pool]:
+    """Runs of same-type devices inside each node, in cluster-file order."""
+    devices = cluster.devices()
+    out: list[Pool] = []
+    run: list[int] = []
+    for i, (node, _, kind) in enumerate(devices):
+        if run and (devices[run[-1]][0] != node or devices[run[-1]][2].name != kind.name):
+            out.append(_pool(cluster, run, dtype))
+            run = []
+        run.append(i)
+    if run:
+        out.append(_pool(cluster, run, dtype))
+    return out
+
+
+def _pool(cluster: Cluster, run: list[int], dtype: str) -> Pool:
+    devices = cluster.devices()
+    node = devices[run[0]][0]
+    return Pool(tuple(run), unit_of(cluster, [devices[run[0]]], dtype), cluster.link(node, node))
+
+
+def sync_s(costs: ModelCosts, link: Link, replicas: int) -> float:
+    """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica)."""
+    return link.all_reduce_s(4 * costs.stage_params(0, costs.n_layers), replicas)
+
+
+class _Kind:
+    """One pool's replicas at one depth: each layer split's optimizer step, and its pipeline time per micro-batch."""
+
+    def __init__(self, costs, pool: Pool, depth: int, m: int, schedule: str, recompute: str, r: int, link: Link):
+        self.costs, self.pool, self.depth = costs, pool, depth
+        self.args = (m, schedule, recompute, r, link)
+        n_splits = math.comb(costs.n_layers - 1, depth - 1)
+        self.splits = (
+            list(splits(costs.n_layers, depth))
+            if n_splits <= SPLIT_LIMIT
+            else [proportional_split(costs, [1.0] * depth)]
+        )
+        self.optimizer = {st: _optimizer_s(self.view(st, 1), costs) for st in self.splits}  # not in b
+        self._pipe: dict[tuple[tuple, int], float] = {}
+
+    def view(self, stages, b: int) -> Layout:
+        """This replica as a one-replica Layout with ``stages`` and micro-batch ``b``."""
+        m, schedule, recompute, r, link = self.args
+        d = len(stages)
+        spec = ReplicaSpec(1, (self.pool.unit,) * d, (self.pool.link,) * (d - 1), b)
+        return Layout(d, r, 1, stages, m, schedule, 0, False, recompute, (spec,), (link,) * d)
+
+    def pipeline(self, stages, b: int) -> float:
+        """Pipeline seconds with ``stages`` at micro-batch ``b`` (inf: a stage runs out of memory)."""
+        key = (stages, b)
+        if key not in self._pipe:
+            view = self.view(stages, b)
+            spec = view.replicas[0]
+            full = any(
+                sum(device_memory(view, self.costs, spec, s)) > self.pool.unit.memory_bytes for s in range(self.depth)
+            )
+            self._pipe[key] = (
+                INFEASIBLE if full else pipeline_s(op_times(view, self.costs, spec), view.microbatches, view.schedule)
+            )
+        return self._pipe[key]
+
+    def best(self, b: int, cap: float) -> tuple[float, tuple]:
+        """(pipeline seconds, stages) of the fastest split that fits at ``b`` with an optimizer step ≤ ``cap``."""
+        return min(
+            ((self.pipeline(st, b), st) for st in self.splits if self.optimizer[st] <= cap),
+            default=(INFEASIBLE, self.splits[0]),
+        )
+
+
+def _optimizer_s(view: Layout, costs: ModelCosts) -> float:
+    return max(optimizer_s(view, costs, s, u) for s, u in enumerate(view.replicas[0].units))
+
+
+def _depths(pool: Pool, n_layers: int) -> list[int]:
+    return [d for d in range(1, min(len(pool.devices), n_layers) + 1) if len(pool.devices) % d == 0]
+
+
+def depth_choices(costs: ModelCosts, all_pools: list[Pool], m: int) -> Iterator[tuple[int, ...]]:
+    """Every depth per pool, or (too many) each pool's smallest depth whose replicas fit at micro-batch 1."""
+    per_pool = [_depths(p, costs.n_layers) for p in all_pools]
+    if math.prod(len(c) for c in per_pool) <= DEPTH_LIMIT:
+        yield from itertools.product(*per_pool)
+        return
+    smallest = []
+    for pool, choices in zip(all_pools, per_pool):
+        link = pool.link
+        fit = next(
+            (
+                d
+                for d in choices
+                if _Kind(costs, pool, d, m, "gpipe", "full", 2, link).best(1, INFEASIBLE)[0] < INFEASIBLE
+            ),
+            None,
+        )
+        if fit is None:
+            return
+        smallest.append(fit)
+    yield tuple(smallest)
+
+
+@dataclass
+class _Option:
+    """One depth per pool, micro-batch count and recompute: its replicas, and the best shares and splits."""
+
+    kinds: list[_Kind]  # one per replica (replicas of one pool and depth share the object)
+    sync: float
+
+    def shares(self, total: int, exhaustive: bool) -> tuple[float, list[int], list[tuple]] | None:
+        """(step, micro-batch size per replica summing to ``total``, split per replica), or None if nothing fits.
+
+        The step is ``max pipeline + sync + max optimizer``. For each cap on the optimizer step
+        (every split's is a candidate) each replica's best time is increasing in its micro-batch,
+        so the greedy is exact under that cap; the best over caps is the optimum. ``exhaustive``
+        tries every share vector and every split of every replica instead."""
+        if total < len(self.kinds):
+            return None
+        found = self._every(total) if exhaustive else self._greedy(total)
+        return None if found is None else (found[0] + self.sync, found[1], found[2])
+
+    def _greedy(self, total: int) -> tuple[float, list[int], list[tuple]] | None:
+        best = None
+        for cap in sorted({t for k in self.kinds for t in k.optimizer.values()}):
+            sizes = [1] * len(self.kinds)
+            heap = [(k.best(2, cap)[0], i) for i, k in enumerate(self.kinds)]
+            heapq.heapify(heap)
+            for _ in range(total - len(sizes)):
+                t, i = heapq.heappop(heap)
+                if t == INFEASIBLE:
+                    break
+                sizes[i] += 1
+                heapq.heappush(heap, (self.kinds[i].best(sizes[i] + 1, cap)[0], i))
+            else:
+                chosen = [k.best(b, cap) for k, b in zip(self.kinds, sizes)]
+                stages = [st for _, st in chosen]
+                step = max(t for t, _ in chosen) + max(k.optimizer[st] for k, st in zip(self.kinds, stages))
+                if step < INFEASIBLE and (best is None or step < best[0]):
+                    best = (step, sizes, stages)
+        return best
+
+    def _every(self, total: int) -> tuple[float, list[int], list[tuple]] | None:
+        best = None
+        for cuts in itertools.combinations(range(1, total), len(self.kinds) - 1):
+            bounds = (0, *cuts, total)
+            sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+            for stages in itertools.product(*(k.splits for k in self.kinds)):
+                pipe = max(k.pipeline(st, b) for k, st, b in zip(self.kinds, stages, sizes))
+                step = pipe + max(k.optimizer[st] for k, st in zip(self.kinds, stages))
+                if step < INFEASIBLE and (best is None or step < best[0]):
+                    best = (step, sizes, list(stages))
+        return best
+
+
+def mixed_candidates(
+    cluster: Cluster, costs: ModelCosts, global_batch: int, counts: tuple[int, ...], exhaustive: bool = False
+) -> Iterator[tuple[float, Plan, MixedLayout, str]]:
+    """(step, Plan, MixedLayout, label) of the best shares for every depth choice, micro-batch count and
+    recompute; nothing on clusters over :data:`MAX_DEVICES` devices or with a single pool of depth 1."""
+    if cluster.world_size > MAX_DEVICES:
+        return
+    all_pools = pools(cluster, costs.precision)
+    devices = cluster.devices()
+    link = cluster.worst_link({devices[i][0] for i in range(len(devices))})
+    for m in counts:
+        for depths in depth_choices(costs, all_pools, m):
+            r = sum(len(p.devices) // d for p, d in zip(all_pools, depths))
+            if r < 2 or global_batch // m < r:
+                continue  # one replica: the grid's plain pipeline
+            schedule = "1f1b" if m >= max(depths) else "gpipe"
+            for recompute in RECOMPUTE:
+                kinds = []
+                for pool, d in zip(all_pools, depths):
+                    kind = _Kind(costs, pool, d, m, schedule, recompute, r, link)
+                    kinds += [kind] * (len(pool.devices) // d)
+                option = _Option(kinds, sync_s(costs, link, r))
+                found = option.shares(global_batch // m, exhaustive)
+                if found is not None:
+                    step, sizes, stages = found
+                    plan, layout = _plan(cluster, costs, all_pools, kinds, sizes, stages, link)
+                    yield step, plan, layout, _label(all_pools, depths)
+
+
+def _label(all_pools: list[Pool], depths: tuple[int, ...]) -> str:
+    return "mixed depths: " + " + ".join(
+        f"{len(p.devices) // d}x{p.unit.device} depth {d}" for p, d in zip(all_pools, depths)
+    )
+
+
+def _plan(cluster, costs, all_pools, kinds, sizes, splits_, link) -> tuple[Plan, MixedLayout]:
+    m, schedule, recompute = kinds[0].args[:3]
+    replicas, parts, placed = [], [], []
+    devices = iter(d for p in all_pools for d in p.devices)
+    for kind, b, stages in zip(kinds, sizes, splits_):
+        replicas.append(Replica(stages, share=b * m))
+        parts.append(kind.view(stages, b))
+        placed.append(tuple(next(devices) for _ in range(kind.depth)))
+    names = cluster.devices()
+    plan = Plan(
+        replicas=tuple(replicas),
+        pipeline=PipelineSpec(microbatches=m, schedule=schedule),
+        precision=costs.precision,
+        recompute=recompute,
+        rank_devices=tuple(f"{names[d][0]}:{names[d][1]}:{names[d][2].name}" for group in placed for d in group),
+    )
+    return plan, MixedLayout(tuple(parts), link, tuple(placed))
+
+
+# ------------------------------------------------------------------- judging
+def mixed_estimate(layout: MixedLayout, costs: ModelCosts) -> Estimate:
+    """The closed-form estimate of a :class:`MixedLayout` (see the module docstring)."""
+    pipes, opts, memory = [], [], []
+    for i, part in enumerate(layout.parts):
+        spec = part.replicas[0]
+        pipes.append(pipeline_s(op_times(part, costs, spec), part.microbatches, part.schedule))
+        opts.append(_optimizer_s(part, costs))
+        for s, unit in enumerate(spec.units):
+            state, act, buf = device_memory(part, costs, spec, s)
+            memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
+    sync = sync_s(costs, layout.sync_link, len(layout.parts))
+    step = max(pipes) + sync + max(opts)
+    critical = max(range(len(layout.parts)), key=lambda i: pipes[i])
+    part = layout.parts[critical]
+    times = op_times(part, costs, part.replicas[0])
+    busiest = max(range(part.pp), key=lambda s: times.forward[s] + times.backward[s])
+    compute = part.microbatches * (times.forward[busiest] + times.backward[busiest])
+    breakdown = {
+        "compute": compute,
+        "gradient sync": sync,
+        "optimizer": max(opts),
+        "pipeline bubble and transfers": max(step - compute - sync - max(opts), 0.0),
+        "busiest stage": float(busiest),
+    }
+    tokens = layout.global_batch * costs.seq_len
+    return Estimate(
+        step, tokens / step, tuple(memory), tuple(pipes), (sync,), max(opts), _bottleneck(part, breakdown), breakdown
+    )
+
+
+def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> MixedLayout:
+    """The MixedLayout of a ``Plan.replicas`` plan on ``cluster`` (rank i on device ``plan.device_of(i)``)."""
+    from tessera.data.sharding import split_batch
+    from tessera.errors import PlanError
+
+    assert plan.replicas is not None
+    plan = plan.resolve(cluster.world_size)
+    devices = cluster.devices()
+    samples = split_batch(global_batch, plan.shares())
+    m = plan.pipeline.microbatches
+    r = len(plan.replicas)
+    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(cluster.world_size)})
+    parts, placed, rank = [], [], 0
+    for i, (replica, n) in enumerate(zip(plan.replicas, samples)):
+        if n % m:
+            raise PlanError(
+                f"Plan.replicas[{i}] takes {n} samples, which Plan.pipeline.microbatches={m} does not divide."
+            )
+        members = [plan.device_of(rank + s) for s in range(replica.depth)]
+        units = tuple(unit_of(cluster, [devices[d]], costs.precision) for d in members)
+        nodes = [devices[d][0] for d in members]
+        p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
+        spec = ReplicaSpec(1, units, p2p, n // m)
+        parts.append(
+            Layout(replica.depth, r, 1, replica.stages, m, plan.pipeline.schedule, 0, False, plan.recompute, (spec,),
+                   (link,) * replica.depth)
+        )  # fmt: skip
+        placed.append(tuple(members))
+        rank += replica.depth
+    return MixedLayout(tuple(parts), link, tuple(placed))
