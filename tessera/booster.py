@@ -46,6 +46,7 @@ from tessera.parallel.pipeline import (
     average_gradients,
     check_microbatches,
     split_model,
+    stage_owners,
 )
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
@@ -135,6 +136,7 @@ class Booster:
                 policy_for(model).enable_ulysses(model, self.mesh.get_group("sp"))
             apply_recompute(data_parallel.repeated_blocks(model), self.plan.recompute)
             wrapped = data_parallel.apply_data_parallel(model, self.plan, self.grad_mesh, self.device)
+            self._emulate_sharding(model)
             if self.emulator is not None and isinstance(wrapped, DistributedDataParallel):
                 group = dist.get_process_group_ranks(self.grad_mesh.get_group())
                 self.emulator.slow_links(wrapped, [self.plan.device_of(r) for r in group])
@@ -172,6 +174,8 @@ class Booster:
                 apply_tensor_parallel(stage, model, self.mesh["tp"], loss_parallel=self.plan.loss_parallel)
             apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
             data_parallel.apply_data_parallel(stage, self.plan, self.grad_mesh, self.device)
+            self._emulate_sharding(stage)
+        self._emulate_transfers(stages, dist.get_process_group_ranks(pp_mesh.get_group()), len(ranges))
         pipeline_model = PipelineModel(stages)
         self._tied = TiedWeights(tied, pipeline_model, layout, ranges, self.plan.pipeline.schedule, self.mesh)
         self._pipeline = PipelineRunner(
@@ -203,6 +207,7 @@ class Booster:
                 model, layout, replica.stages, self.plan.pipeline.schedule, replica.depth, self.replica.stage
             )
             local, stages = PipelineModel(split), [stage for _, stage in split]
+            self._emulate_transfers(split, list(self.replica.ranks), replica.depth)
         for stage in stages:
             stage.to(self.device)
             apply_recompute(data_parallel.repeated_blocks(stage), self.plan.recompute)
@@ -219,6 +224,31 @@ class Booster:
             )
         self._layer_sync = LayerSync(self.plan, names, local, layout, before_reduce)
         return local
+
+    def _emulate_sharding(self, module: nn.Module) -> None:
+        """Under emulation, FSDP's per-block collectives wait for the data-parallel group's slowest link."""
+        if self.emulator is not None and data_parallel.uses_fsdp(self.plan):
+            devices = [self.plan.device_of(r) for r in dist.get_process_group_ranks(self.grad_mesh.get_group())]
+            self.emulator.slow_sharding(data_parallel.repeated_blocks(module), devices, self.plan.zero)
+
+    def _emulate_transfers(self, stages: list[tuple[int, nn.Module]], ranks: list[int], n_stages: int) -> None:
+        """Under emulation, each stage's activations and gradients wait for the link to its neighbour's device
+        (``ranks``: the pipeline's global ranks in pipeline order)."""
+        if self.emulator is None:
+            return
+        owners = stage_owners(len(ranks), n_stages, self.plan.pipeline.schedule)
+        device = [self.plan.device_of(ranks[owners[i]]) for i in range(n_stages)]
+        for i, stage in stages:
+            self.emulator.slow_transfers(
+                stage, device[i - 1] if i > 0 else None, device[i + 1] if i < n_stages - 1 else None
+            )
+
+    def _emulate_all_reduce(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+        if self.emulator is not None:
+            nbytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            self.emulator.delay_all_reduce(
+                [self.plan.device_of(r) for r in dist.get_process_group_ranks(group)], nbytes
+            )
 
     @property
     def stage_group(self) -> dist.ProcessGroup | None:
@@ -276,7 +306,10 @@ class Booster:
 
     def _check_emulated_memory(self) -> None:
         if self.emulator is not None and self._model is not None:
-            self.emulator.check_memory(self._model, self._optimizer)
+            on_host = ()
+            if self.plan.offload:  # as the cost model has it: ZeRO-2 keeps parameters, ZeRO-1 gradients too
+                on_host = ("optimizer", "grads", "params")[: self.plan.zero]
+            self.emulator.check_memory(self._model, self._optimizer, on_host)
 
     def loss_parallel(self) -> contextlib.AbstractContextManager[None]:
         """Compute the loss inside this context: with ``Plan.loss_parallel`` the logits are a DTensor
@@ -321,7 +354,10 @@ class Booster:
             if self._tied is not None:
                 self._tied.sync()
                 if not data_parallel.uses_fsdp(self.plan):  # FSDP reduce-scatters inside the schedule
-                    average_gradients(list(model.parameters()), self.grad_mesh.get_group())
+                    params, group = list(model.parameters()), self.grad_mesh.get_group()
+                    if dist.get_world_size(group) > 1:
+                        self._emulate_all_reduce(params, group)
+                    average_gradients(params, group)
         if self._layer_sync is not None:
             self._layer_sync.sync()
         self._check_emulated_memory()

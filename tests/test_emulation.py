@@ -60,6 +60,11 @@ def test_planner_output_trains_like_one_process_on_emulated_devices(cluster_file
     assert any(p.pp > 1 and len({e - s for s, e in p.pipeline.stages}) > 1 for p in plans)
     monkeypatch.setenv("TESSERA_EMULATE", str(cluster_file))  # inherited by the spawned ranks
     cases = [(f"plan{i}", p.to_dict(), "llama:4", None) for i, p in enumerate(plans)]
+    # The emulated links' hooks (FSDP's collectives, pipeline transfers) must not change results either.
+    cases += [
+        ("zero3", {"zero": 3}, "llama:4", None),
+        ("pp2", {"pp": 2, "pipeline": {"microbatches": 2}}, "llama:4", None),
+    ]
     check_cases(4, cases, BATCH, steps=2)
 
 
@@ -150,3 +155,54 @@ def test_emulated_slow_link_delays_gradient_all_reduce(tmp_path: Path) -> None:
     expected = n_bytes / 0.1e9
     for delay in delays:
         assert expected + 2e-3 <= delay <= expected + 2e-3 * 8, (delay, expected)
+
+
+def _layout_links_worker(cluster_path: str, plans: list[dict]) -> list[float]:
+    """One step of each plan on emulated devices; each rank's seconds of emulated link delay per plan."""
+    import torch
+
+    import tessera
+
+    delays = []
+    for plan in plans:
+        booster = tessera.Booster(tessera.Plan.from_dict(plan), emulate=cluster_path)
+        model = build_model("llama:2")
+        model, opt = booster.boost(model, torch.optim.AdamW(model.parameters()))
+        x = torch.randint(0, 100, (8, 16))
+        booster.execute_pipeline((x, x), model, loss_fn, opt)
+        delays.append(booster.emulator.link_s)
+    return delays
+
+
+def test_emulated_links_delay_sharding_pipelines_and_replicas(tmp_path: Path) -> None:
+    """FSDP's gathers and reduce-scatters, a pipeline's transfers and gradient averaging, and the
+    per-layer averaging of replicas of different depth all wait for the emulated link."""
+    from tessera.parallel.data import repeated_blocks
+    from tessera.testing import run_ranks
+
+    spec = {
+        **SPEEDS,
+        "links": {
+            "intra_node": {"bandwidth_gbs": 0.5, "latency_us": 100},
+            "inter_node": {"bandwidth_gbs": 0.5, "latency_us": 100},
+        },
+    }
+    path = tmp_path / "links.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    plans = [
+        {"zero": 3},
+        {"pp": 2, "pipeline": {"microbatches": 2}},
+        {
+            "replicas": [{"stages": [[0, 1], [1, 2]]}, {"stages": [[0, 2]]}, {"stages": [[0, 2]]}],
+            "pipeline": {"microbatches": 2},
+        },
+    ]
+    delays = run_ranks(_layout_links_worker, 4, str(path), plans)
+    # ZeRO-3: per block, a gather before forward and before backward and a reduce-scatter after it,
+    # each half a ring all-reduce of the block's fp32 parameters over 4 devices.
+    link = Cluster.from_dict(spec).links["inter_node"]
+    block_bytes = [4 * sum(p.numel() for p in b.parameters()) for b in repeated_blocks(build_model("llama:2"))]
+    expected = sum(1.5 * link.all_reduce_s(n, 4) for n in block_bytes)
+    for rank, (zero3, pipeline, replicas) in enumerate(delays):
+        assert zero3 == pytest.approx(expected, rel=1e-9), rank
+        assert pipeline > 0 and replicas > 0, (rank, pipeline, replicas)

@@ -113,3 +113,19 @@ def test_replica_plans_refuse_zero_and_the_wrong_world_size() -> None:
         plan.resolve(4)
     assert plan.resolve(3).dp == 2 and plan.shares() == (1, 1) and plan.pipelined
     assert Plan.from_yaml(plan.to_yaml()) == plan
+
+
+def test_layer_sync_buckets_stay_small_and_keep_order() -> None:
+    import torch
+
+    from tessera.parallel import replicas
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 10, 1, 1)]
+    old = replicas.BUCKET_BYTES
+    replicas.BUCKET_BYTES = 32  # eight fp32 numbers
+    try:
+        buckets = replicas._buckets(params)
+    finally:
+        replicas.BUCKET_BYTES = old
+    assert [[p.numel() for p in b] for b in buckets] == [[4, 4], [10], [1, 1]]  # one too big stands alone
+    assert [p for b in buckets for p in b] == params

@@ -7,8 +7,13 @@ compute), ``slowdown`` being the fastest device's peak over this device's: a qua
 device's blocks take four times as long. Sleeping, not spinning, is what keeps
 two ranks on one core honest (a busy loop would steal the other rank's time).
 
-Gradient all-reduces of DDP plans wait as long as the cluster's slowest link in the rank's
-data-parallel group would take (:meth:`Emulator.slow_links`), on top of the real transfer.
+Links are slowed by waiting, on top of the real local transfer, as long as the cluster's link
+would take: DDP's gradient all-reduces and the gradient averaging after a pipeline over the
+slowest link of the rank's data-parallel group (:meth:`Emulator.slow_links`,
+:meth:`Emulator.delay_all_reduce`), FSDP's per-block gathers and reduce-scatters likewise
+(:meth:`Emulator.slow_sharding`), and a pipeline stage's inputs and output gradients over the
+link to the neighbouring stage's device (:meth:`Emulator.slow_transfers`). Not slowed: tied
+embeddings' small all-reduce, ZeRO-1's parameter all-gather, offload's host copies.
 
 The memory accountant checks, after every backward, that this rank's exact model-state bytes
 (parameters, gradients, optimizer state: :func:`tessera.memory.model_state_bytes`) plus the
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,14 @@ import torch
 from torch import nn
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    return []
 
 
 class EmulatedOutOfMemory(RuntimeError):
@@ -62,6 +75,7 @@ class Emulator:
                 f"launch {len(devices)} ranks."
             )
         self.node, self.index, self.device = devices[rank]
+        self._device = rank
         peaks = [t.peak(dtype) or t.peak("fp32") or 0.0 for _, _, t in devices]
         own = self.device.peak(dtype) or self.device.peak("fp32") or 0.0
         # time_scale > 1 stretches every device, the fastest too: with most of each block asleep, ranks
@@ -148,7 +162,7 @@ class Emulator:
     def slow_links(self, ddp: nn.Module, devices: list[int]) -> None:
         """Delay each of DDP's gradient all-reduces by what it takes over the slowest link among
         ``devices`` (the cluster devices of this rank's data-parallel group) — on top of the real
-        local transfer. Pipeline transfers and FSDP's collectives are not delayed yet."""
+        local transfer."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         group = ddp.process_group
@@ -160,13 +174,47 @@ class Emulator:
 
         ddp.register_comm_hook(None, delayed_all_reduce)
 
+    def slow_sharding(self, blocks: Iterable[nn.Module], devices: list[int], zero: int) -> None:
+        """Delay FSDP's collectives (ZeRO-2/3) block by block, as the cost model counts them, over the
+        slowest link among ``devices`` (the rank's data-parallel group): each block's parameters are
+        gathered before its forward (ZeRO-3) and again before its backward (ZeRO-3), and its gradients
+        reduce-scattered after it. Call before sharding: it reads each block's full size."""
+        link = self._worst_link(devices)
+        for block in blocks:
+            nbytes = 4 * sum(p.numel() for p in block.parameters())
+            half = link.all_reduce_s(nbytes, len(devices)) / 2  # one all-gather or one reduce-scatter
+            if zero == 3:
+                block.register_forward_pre_hook(lambda *_, s=half: self._sleep_link(s))
+            after = 2 * half if zero == 3 else half
+            block.register_full_backward_hook(lambda *_, s=after: self._sleep_link(s))
+
+    def slow_transfers(self, stage: nn.Module, previous: int | None, following: int | None) -> None:
+        """Delay a pipeline stage's inputs from the device of the stage before (``previous``) and its
+        output gradients from the device of the stage after (``following``) by their link's time."""
+        devices = self.cluster.devices()
+        me = devices[self._device][0]
+
+        def nbytes(tensors: Any) -> int:
+            return sum(t.numel() * t.element_size() for t in _tensors(tensors))
+
+        if previous is not None and previous != self._device:
+            back = self.cluster.link(devices[previous][0], me)
+            stage.register_forward_pre_hook(lambda _, args: self._sleep_link(back.seconds(nbytes(args))))
+        if following is not None and following != self._device:
+            ahead = self.cluster.link(me, devices[following][0])
+            stage.register_full_backward_pre_hook(lambda _, grads: self._sleep_link(ahead.seconds(nbytes(grads))))
+
+    def _worst_link(self, devices: list[int]) -> Any:
+        all_devices = self.cluster.devices()
+        return self.cluster.worst_link({all_devices[d][0] for d in devices})
+
+    def _sleep_link(self, seconds: float) -> None:
+        self.link_s += seconds
+        time.sleep(seconds)
+
     def delay_all_reduce(self, devices: list[int], nbytes: int) -> None:
         """Sleep as long as an all-reduce of ``nbytes`` among cluster ``devices`` takes over their slowest link."""
-        all_devices = self.cluster.devices()
-        link = self.cluster.worst_link({all_devices[d][0] for d in devices})
-        delay = link.all_reduce_s(nbytes, len(devices))
-        self.link_s += delay
-        time.sleep(delay)
+        self._sleep_link(self._worst_link(devices).all_reduce_s(nbytes, len(devices)))
 
     # --------------------------------------------------------------- memory
     def track_activations(self, params: Iterable[torch.Tensor]) -> None:
@@ -177,19 +225,22 @@ class Emulator:
         self._saved_hooks = self._saved.track()
         self._saved_hooks.__enter__()  # for the rest of the process: every forward is counted
 
-    def check_memory(self, model: nn.Module, optimizer: Any | None = None) -> int:
+    def check_memory(self, model: nn.Module, optimizer: Any | None = None, on_host: Collection[str] = ()) -> int:
         """Raise if this rank's model state plus its peak saved activations since the last check do
-        not fit the device; return the bytes counted."""
+        not fit the device; return the bytes counted. ``on_host``: the parts of the model state
+        ("params", "grads", "optimizer") that offload keeps in host memory (here the CPU plays both)."""
         from tessera.memory import model_state_bytes
 
         state = model_state_bytes(model, optimizer)
         activations = self._saved.peak if self._saved is not None else 0
         if self._saved is not None:
             self._saved.peak = self._saved.live  # the next check sees the next step's peak
-        used = int(state) + activations
+        used = sum(getattr(state, part) for part in ("params", "grads", "optimizer") if part not in on_host)
+        used += activations
         if used > self.capacity:
             raise EmulatedOutOfMemory(
-                f"{self.describe()}: this rank needs {used / 2**30:.3g} GiB ({state!r}, activations "
+                f"{self.describe()}: this rank needs {used / 2**30:.3g} GiB ({state!r}, on the host: "
+                f"{', '.join(on_host) or 'nothing'}; activations "
                 f"{activations}) but the device has {self.capacity / 2**30:.3g} GiB usable: shard more (Plan.zero), "
                 "recompute activations, split the model (Plan.pp/tp), or give this device a smaller part."
             )

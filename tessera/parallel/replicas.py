@@ -21,6 +21,8 @@ from tessera.models.policies.base import PipelineLayout
 from tessera.parallel.pipeline import stage_of
 from tessera.plan import Plan
 
+BUCKET_BYTES = 25 * 2**20  # like DDP's buckets: the flat copy each all-reduce needs stays this small
+
 
 @dataclass(frozen=True)
 class ReplicaRanks:
@@ -107,17 +109,17 @@ class LayerSync:
                 by_holders[ranks].append(param)
                 if rank != ranks[0]:
                     self.uncounted.add(id(param))
-        self.groups: list[tuple[tuple[int, ...], dist.ProcessGroup, list[nn.Parameter]]] = []
+        self.buckets: list[tuple[tuple[int, ...], dist.ProcessGroup, list[nn.Parameter]]] = []
         for ranks in sorted(by_holders):  # every rank makes every group, in the same order
             if len(ranks) > 1:
                 group = dist.new_group(list(ranks))
                 if rank in ranks:
-                    self.groups.append((ranks, group, by_holders[ranks]))
+                    self.buckets += [(ranks, group, bucket) for bucket in _buckets(by_holders[ranks])]
 
     @torch.no_grad()
     def sync(self) -> None:
         """Average this rank's gradients with their other holders (call after every backward)."""
-        for ranks, group, params in self.groups:  # the same order on every rank: no cross waits
+        for ranks, group, params in self.buckets:  # the same order on every rank: no cross waits
             for p in params:
                 if p.grad is None:  # an unused parameter still takes part, so the collectives match
                     p.grad = torch.zeros_like(p)
@@ -131,3 +133,17 @@ class LayerSync:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))  # type: ignore[union-attr]
                 offset += g.numel()  # type: ignore[union-attr]
+
+
+def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into runs of at most :data:`BUCKET_BYTES` (one parameter may exceed it alone)."""
+    out: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if out[-1] and size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes
+    return [b for b in out if b]

@@ -55,7 +55,13 @@ class SavedBytes:
 
         class Held:
             def __init__(self, t: torch.Tensor) -> None:
-                shared = t.untyped_storage().data_ptr() in counter._exclude
+                # FSDP's gathered weights are parameters too (module parameters while a block runs), and
+                # are freed after it whatever autograd holds: not activations either.
+                shared = (
+                    isinstance(t, torch.nn.Parameter)
+                    or isinstance(t._base, torch.nn.Parameter)  # e.g. the transposed weight a matmul keeps
+                    or t.untyped_storage().data_ptr() in counter._exclude
+                )
                 self.t, self.n = t, 0 if shared else t.numel() * t.element_size()
                 counter.live += self.n
                 counter.peak = max(counter.peak, counter.live)
