@@ -7,10 +7,13 @@ different speed and memory, not about any real GPU). Same model, data, calibrati
 rules as ``benchmarks/emulated_cluster.py``. Three plans, interleaved, ``--reps`` times each:
 
 - planned: the planner's best plan over every layout it knows (grid and replicas of different depth);
-- best grid: its best plan with one shape for every replica (dp × pp, uneven stages and shares);
-- drop small: the big device alone (the small ones cannot hold the model as data-parallel replicas).
+- mixed: its best plan with replicas of different depth (the big device alone, the small pair as
+  a two-stage pipeline), and "mixed m>=2" the best such plan whose pipeline gets at least two
+  micro-batches (one micro-batch count serves every replica, and the big one wants one);
+- drop small: the big device alone.
 
-Reported: measured median step time and tokens/s, the planner's prediction for each, ratios.
+Reported: measured median step time and tokens/s, the planner's prediction for each, ratios —
+whether the planner's ranking holds when the plans run.
 
     python benchmarks/mixed_depth.py [--reps 3] [--steps 8] [--time-scale 8] [--json out.json]
 """
@@ -39,7 +42,10 @@ THREE = {
         "big": {"peak_tflops": {"fp32": 4}, "memory_gib": 8, "bandwidth_gbs": 100},
         "small": {"peak_tflops": {"fp32": 1}, "memory_gib": SMALL_GIB, "bandwidth_gbs": 100},
     },
-    "links": {"intra_node": {"bandwidth_gbs": 1, "latency_us": 200}, "inter_node": {"bandwidth_gbs": 1, "latency_us": 200}},
+    "links": {
+        "intra_node": {"bandwidth_gbs": 1, "latency_us": 200},
+        "inter_node": {"bandwidth_gbs": 1, "latency_us": 200},
+    },
 }
 
 
@@ -66,15 +72,16 @@ def main() -> None:
     spec = calibrate(THREE, costs.stage_params(0, costs.n_layers))
     alone_spec = {**spec, "nodes": [spec["nodes"][0]]}
     three, alone = Cluster.from_dict(spec), Cluster.from_dict(alone_spec)
-    found = search(three, costs, BATCH, top=200)
-    planned = found[0]
-    grid = next(c for c in found if c.plan.replicas is None)
-    print(f"planned: {planned.placement}; best grid: {grid.placement}, pp={grid.plan.pp} dp={grid.plan.dp}")
+    found = search(three, costs, BATCH, top=400)
+    mixed = [c for c in found if c.plan.replicas is not None and len({r.depth for r in c.plan.replicas}) > 1]
     plans = {
-        "planned": (planned.plan, three, spec),
-        "best grid": (grid.plan, three, spec),
+        "planned": (found[0].plan, three, spec),
+        "mixed": (mixed[0].plan, three, spec),
+        "mixed m>=2": (next(c for c in mixed if c.plan.pipeline.microbatches >= 2).plan, three, spec),
         "drop small": (DDP(), alone, alone_spec),
     }
+    for name, (plan, _, _) in plans.items():
+        print(f"{name:10s} {plan.to_dict()}")
     tmp = Path(tempfile.mkdtemp())
     measured: dict[str, list[float]] = {name: [] for name in plans}
     notes: dict[str, Any] = {}
@@ -107,10 +114,12 @@ def main() -> None:
     for name, row in rows.items():
         print(
             f"{name:10s} measured {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:7.0f} tokens/s "
-            f"(x{row['tokens_per_s'] / rows['best grid']['tokens_per_s']:.2f} best grid)  predicted "
+            f"(x{row['tokens_per_s'] / rows['planned']['tokens_per_s']:.2f} planned)  predicted "
             f"{row['predicted_step_s']:.3f} s ({row['predicted_over_measured'] - 1:+.1%})"
         )
-    print("EMULATED cluster: speeds 1, 1/4, 1/4 by sleeping (time scale", args.time_scale, "); small memory", SMALL_GIB, "GiB")
+    print(
+        f"EMULATED cluster: speeds 1, 1/4, 1/4 by sleeping (time scale {args.time_scale}); small memory {SMALL_GIB} GiB"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"time_scale": args.time_scale, "rows": rows}, indent=2, default=str))
 

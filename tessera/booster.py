@@ -91,6 +91,8 @@ class Booster:
         emulate = emulate or os.environ.get("TESSERA_EMULATE") or None
         device = self.plan.device_of(dist.get_rank())
         self.emulator = Emulator.from_environment(emulate, device, self.plan.precision) if emulate else None
+        if self.emulator is not None:
+            self.emulator.recompute_full = self.plan.recompute == "full"
         self._pipeline: PipelineRunner | None = None
         self._tied: TiedWeights | None = None
         self._layer_sync: LayerSync | None = None

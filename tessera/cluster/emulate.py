@@ -86,6 +86,7 @@ class Emulator:
         self.slept_s = 0.0
         self.link_s = 0.0  # delays added to gradient all-reduces
         self.block_s = block_s
+        self.recompute_full = False  # set by the Booster: backward then includes a second forward
         self.speed_ratio = max(peaks) / own  # the fastest device's speed over this one's
         self.slowed = {"forward": 0, "backward": 0}  # blocks slowed so far, by pass
         self._batch: dict[int, int] = {}
@@ -134,7 +135,8 @@ class Emulator:
             return self.slowdown * cpu
         call, per_sample, ratio = self.block_s
         forward = (call + per_sample * self._batch.get(id(module), 1)) * self.speed_ratio
-        return forward * (ratio if kind == "backward" else 1.0)
+        # Full recompute runs the block's forward again inside its backward, past the forward hooks.
+        return forward * ((ratio + self.recompute_full) if kind == "backward" else 1.0)
 
     def _stop(self, module: nn.Module, kind: str) -> None:
         began = self._started.pop(id(module), None)
@@ -202,7 +204,13 @@ class Emulator:
             stage.register_forward_pre_hook(lambda _, args: self._sleep_link(back.seconds(nbytes(args))))
         if following is not None and following != self._device:
             ahead = self.cluster.link(me, devices[following][0])
-            stage.register_full_backward_pre_hook(lambda _, grads: self._sleep_link(ahead.seconds(nbytes(grads))))
+
+            def on_output(_: nn.Module, __: Any, output: Any) -> None:  # its gradient arrives from the next stage
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda g: self._sleep_link(ahead.seconds(g.numel() * g.element_size())))
+
+            stage.register_forward_hook(on_output)
 
     def _worst_link(self, devices: list[int]) -> Any:
         all_devices = self.cluster.devices()
