@@ -16,7 +16,8 @@ time_scale, scaled by peak per device). Three plans, run in turn, --reps times e
 Reported: measured median step time and tokens/s (median over steps 3.. of each run, then over
 runs), the planner's predicted step time for each plan, and the ratios. What emulation does not
 stretch is calibrated on this machine first and written into the cluster file: the gloo
-all-reduce bandwidth between the local ranks and the optimizer step's speed.
+all-reduce bandwidth and the latency of a tiny collective between the local ranks, and the
+optimizer step's speed.
 
     python benchmarks/emulated_cluster.py [--reps 3] [--steps 8] [--time-scale 8] [--json out.json]
 """
@@ -78,6 +79,15 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+def plan_summary(plan: Any) -> dict:
+    """The Plan's fields that are not at a default-like value (``True`` is kept: it is not ``1`` here)."""
+
+    def default(v: Any) -> bool:
+        return v is None or v is False or v in ("auto", "none") or (type(v) is int and v == 1)
+
+    return {k: v for k, v in plan.to_dict().items() if not default(v)}
+
+
 def train_worker(plan_dict: dict, steps: int) -> dict:
     import torch.distributed as dist
 
@@ -113,7 +123,8 @@ def calibrate(cluster_spec: dict, costs_params: int) -> dict:
     memory bandwidth the cost model divides 16 bytes per parameter by)."""
     from tessera.testing import run_ranks
 
-    bus = run_ranks(links_worker, 4)[0]["all_reduce"][1 << 22]
+    links = run_ranks(links_worker, 4)[0]
+    bus, latency_us = links["all_reduce"][1 << 22], links["latency_us"][4]
     model = build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
@@ -124,9 +135,12 @@ def calibrate(cluster_spec: dict, costs_params: int) -> dict:
         opt.step()
     step = (time.perf_counter() - t0) / 5
     bandwidth = 16 * costs_params / step / 1e9
-    link = {"bandwidth_gbs": round(bus, 3), "latency_us": 100}
+    link = {"bandwidth_gbs": round(bus, 3), "latency_us": round(latency_us, 1)}
     types = {name: {**t, "bandwidth_gbs": round(bandwidth, 3)} for name, t in cluster_spec["device_types"].items()}
-    print(f"calibrated: gloo all-reduce {bus:.2f} GB/s (bus), AdamW step {step * 1e3:.1f} ms = {bandwidth:.2f} GB/s")
+    print(
+        f"calibrated: gloo all-reduce {bus:.2f} GB/s (bus), a tiny broadcast {latency_us:.0f} us, "
+        f"AdamW step {step * 1e3:.1f} ms = {bandwidth:.2f} GB/s"
+    )
     return {**cluster_spec, "device_types": types, "links": {"intra_node": link, "inter_node": link}}
 
 
@@ -180,7 +194,7 @@ def main() -> None:
         step = statistics.median(measured[name])
         predicted = estimate(layout_from_plan(plan, cluster, costs, BATCH), costs).step_s
         rows[name] = {
-            "plan": {k: v for k, v in plan.to_dict().items() if v not in (None, False, 1, "auto", "none")},
+            "plan": plan_summary(plan),
             "measured_step_s": step,
             "tokens_per_s": BATCH * SEQ / step,
             "predicted_step_s": predicted,

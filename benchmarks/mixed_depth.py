@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import yaml
-from emulated_cluster import BATCH, SEQ, build_model, calibrate, train_worker
+from emulated_cluster import BATCH, SEQ, build_model, calibrate, plan_summary, train_worker
 
 SMALL_GIB = 0.018  # the reference Llama's fp32 AdamW state is ~20 MB: half of it fits, all of it does not
 THREE = {
@@ -103,7 +103,7 @@ def main() -> None:
         step = statistics.median(measured[name])
         predicted = estimate(layout_from_plan(plan, cluster, costs, BATCH), costs).step_s
         rows[name] = {
-            "plan": {k: v for k, v in plan.to_dict().items() if v not in (None, False, 1, "auto", "none")},
+            "plan": plan_summary(plan),
             "measured_step_s": step,
             "tokens_per_s": BATCH * SEQ / step,
             "predicted_step_s": predicted,

@@ -10,7 +10,7 @@ from tessera import memory
 from tessera.booster import Booster
 from tessera.distributed import init
 from tessera.errors import NotSupportedYet, PlanError
-from tessera.plan import PipelineSpec, Plan
+from tessera.plan import PipelineSpec, Plan, Replica
 from tessera.presets import DDP, Auto, Hybrid, ZeRO
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "PipelineSpec",
     "Plan",
     "PlanError",
+    "Replica",
     "ZeRO",
     "init",
     "memory",

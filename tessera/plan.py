@@ -187,9 +187,9 @@ class Replica:
     relative number of samples of every global batch.
 
     Example (the Zorse shape: one fast device holds all 8 layers, two slow ones split them):
-        >>> Plan(replicas=(Replica(((0, 8),), share=2), Replica(((0, 4), (4, 8)), share=1)))
-        ... # doctest: +ELLIPSIS
-        Plan(...)
+        >>> plan = Plan(replicas=(Replica([(0, 8)], share=2), Replica([(0, 4), (4, 8)])), pipeline={"microbatches": 2})
+        >>> plan.resolve(world_size=3).shares()
+        (2, 1)
     """
 
     stages: tuple[tuple[int, int], ...]

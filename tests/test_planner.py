@@ -197,3 +197,17 @@ def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCost
         (r, s) for r, replica in enumerate(best.plan.replicas) for s in range(replica.depth)
     }
     assert draw(best, cluster, costs, tmp_path / "mixed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_zero1_sync_adds_the_owners_broadcasts(costs: ModelCosts) -> None:
+    """Tessera's ZeRO-1 all-reduces gradients whole, then broadcasts every parameter piece from its
+    owner: an all-gather's volume plus one collective's latency per parameter tensor."""
+    from tessera.planner.layout import grad_sync_s
+
+    cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A10", "count": 4}]}]})
+    plain, zero1 = (layout_from_plan(Hybrid(zero=z), cluster, costs, 8) for z in (0, 1))
+    link, n = plain.dp_links[0], costs.n_layers
+    tensors = costs.stage_tensors(0, n)
+    assert tensors == 3 + 9 * n  # embedding, final norm, head; nine per Llama block
+    extra = link.all_reduce_s(4 * costs.stage_params(0, n), 4) / 2 + tensors * link.latency_us * 1e-6
+    assert grad_sync_s(zero1, costs, 0) == pytest.approx(grad_sync_s(plain, costs, 0) + extra, rel=1e-12)

@@ -74,5 +74,5 @@ def links_worker() -> dict:
 
 def test_link_bandwidth_is_measured_on_the_group() -> None:
     got = run_ranks(links_worker, 2)[0]
-    assert set(got) == {"all_reduce", "p2p"}
+    assert set(got) == {"all_reduce", "p2p", "latency_us"}
     assert all(v > 0 for kind in got.values() for v in kind.values())

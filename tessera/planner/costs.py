@@ -44,6 +44,7 @@ class PartCost:
     call_s: float = (
         0.0  # seconds per call, whatever the micro-batch (launches, Python): small batches cost more per sample
     )
+    tensors: int = 0  # parameter tensors (ZeRO-1 broadcasts each one from its owner after every step)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class ModelCosts:
             self._memo[key] = total - (self.shared_params if first == 0 and end == self.n_layers else 0)
         return self._memo[key]
 
+    def stage_tensors(self, first: int, end: int) -> int:
+        """Parameter tensors a stage holding layers ``[first, end)`` keeps."""
+        return sum(self.parts[p].tensors * k for p, k in self.stage_parts(first, end))
+
     def stage_forward_s(self, first: int, end: int, samples: float, peak_tflops: float) -> float:
         key = ("forward", first, end)
         if key not in self._memo:
@@ -121,19 +126,25 @@ class ModelCosts:
         Activation bytes per block follow Korthikanti et al. (2022) without the s² attention
         term (fused attention keeps no score matrix): ``34 × seq × hidden`` 16-bit values.
         """
-        hidden, vocab, n_layers, counts, shared = _shape(model)
+        hidden, vocab, n_layers, counts, shared, tensors = _shape(model)
         elem = ELEMENT_BYTES[precision]
         attention_flops = 4 * seq_len * seq_len * hidden  # scores and weighted sum
         per_s = 1.0 / (1e12 * mfu)  # seconds per FLOP on a 1-TFLOP/s device at this mfu
         parts = {
-            "first": PartCost(0.0, counts["first"], seq_len * hidden * elem),
+            "first": PartCost(0.0, counts["first"], seq_len * hidden * elem, tensors=tensors["first"]),
             "block": PartCost(
                 (2 * counts["block"] * seq_len + attention_flops) * per_s,
                 counts["block"],
                 34 * seq_len * hidden * elem / 2,
+                tensors=tensors["block"],
             ),
             # The head's matmul costs FLOPs even when its weight is the (tied) embedding.
-            "last": PartCost(2 * hidden * vocab * seq_len * per_s, counts["last"], seq_len * (hidden + vocab) * elem),
+            "last": PartCost(
+                2 * hidden * vocab * seq_len * per_s,
+                counts["last"],
+                seq_len * (hidden + vocab) * elem,
+                tensors=tensors["last"],
+            ),
         }
         return cls(name or type(model).__name__, n_layers, seq_len, hidden, parts, precision, 1.0,
             heads=_heads(getattr(model, "config", None)), shared_params=shared,
@@ -147,7 +158,7 @@ class ModelCosts:
             lp = profile.layers[part]
             call, per_sample = _line(lp.forward_s)
             b = max(lp.forward_s)
-            parts[part] = PartCost(per_sample, lp.param_bytes // 4, lp.activation_bytes[b] / b, call)
+            parts[part] = PartCost(per_sample, lp.param_bytes // 4, lp.activation_bytes[b] / b, call, lp.param_tensors)
         block = profile.layers["block"]
         ratio = sum(block.backward_s.values()) / max(sum(block.forward_s.values()), 1e-12)
         source = f"profile of {profile.device_type}" + (
@@ -172,8 +183,9 @@ def _line(times: dict[int, float]) -> tuple[float, float]:
     return max(mean_t - slope * mean_b, 0.0), slope
 
 
-def _shape(model: nn.Module) -> tuple[int, int, int, dict[str, int], int]:
-    """Hidden size, vocabulary, layer count, parameter count of each part, and the count first and last share."""
+def _shape(model: nn.Module) -> tuple[int, int, int, dict[str, int], int, dict[str, int]]:
+    """Hidden size, vocabulary, layer count, parameter count of each part, the count first and last
+    share, and the parameter tensors of each part."""
     from tessera.models.policies import policy_for
 
     config = getattr(model, "config", None)
@@ -200,7 +212,12 @@ def _shape(model: nn.Module) -> tuple[int, int, int, dict[str, int], int]:
         "block": sum(p.numel() for p in blocks[0].parameters()),
         "last": count(layout.last),
     }
-    return hidden, vocab, len(blocks), counts, shared
+    tensors = {
+        "first": sum(len(list(model.get_submodule(path).parameters())) for path in layout.first),
+        "block": len(list(blocks[0].parameters())),
+        "last": sum(len(list(model.get_submodule(path).parameters())) for path in layout.last),
+    }
+    return hidden, vocab, len(blocks), counts, shared, tensors
 
 
 def _heads(config: Any) -> int:

@@ -102,13 +102,23 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
 def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     """Data-parallel gradient synchronisation of one stage's parameters (fp32 gradients).
 
-    ZeRO-0/1/2 move one all-reduce's volume (ZeRO-1/2 as reduce-scatter + all-gather); ZeRO-3
-    also gathers the parameters for forward, 1.5 × the volume.
+    ZeRO-0 and ZeRO-2 move one all-reduce's volume (ZeRO-2 as reduce-scatter + all-gather); ZeRO-3
+    also gathers the parameters for forward, 1.5 × the volume. ZeRO-1 (Tessera's: DDP's all-reduce,
+    then one broadcast per parameter piece from its owner) adds an all-gather's volume and one
+    collective latency per parameter tensor.
     """
     first, end = layout.stages[stage]
     grad_bytes = 4 * costs.stage_params(first, end) / layout.tp
+    link = layout.dp_links[stage]
     factor = 1.5 if layout.zero == 3 else 1.0
-    return factor * layout.dp_links[stage].all_reduce_s(grad_bytes, layout.dp)
+    seconds = factor * link.all_reduce_s(grad_bytes, layout.dp)
+    if layout.zero == 1 and layout.dp > 1:
+        # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces:
+        # an all-gather's volume, and a collective's latency per parameter tensor.
+        seconds += (
+            link.all_reduce_s(grad_bytes, layout.dp) / 2 + costs.stage_tensors(first, end) * link.latency_us * 1e-6
+        )
+    return seconds
 
 
 def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -> float:

@@ -81,6 +81,7 @@ class LayerProfile:
     backward_s: dict[int, float] = field(default_factory=dict)
     activation_bytes: dict[int, int] = field(default_factory=dict)
     param_bytes: int = 0
+    param_tensors: int = 0  # parameter tensors: ZeRO-1 broadcasts each one after every step
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Profile:
                 {int(k): v for k, v in lp["backward_s"].items()},
                 {int(k): v for k, v in lp["activation_bytes"].items()},
                 lp["param_bytes"],
+                lp.get("param_tensors", 0),  # profiles cached before it was recorded
             )
             for name, lp in data.pop("layers").items()
         }
@@ -122,7 +124,10 @@ def model_key(model: nn.Module) -> str:
 def _profile_part(
     part: nn.Module, make_input: Callable[[int], torch.Tensor], batch_sizes: tuple[int, ...], repeats: int
 ) -> LayerProfile:
-    prof = LayerProfile(param_bytes=sum(p.numel() * p.element_size() for p in part.parameters()))
+    prof = LayerProfile(
+        param_bytes=sum(p.numel() * p.element_size() for p in part.parameters()),
+        param_tensors=len(list(part.parameters())),
+    )
     for b in batch_sizes:
         x = make_input(b)
         prof.forward_s[b] = median_seconds(lambda x=x: part(x), repeats)
@@ -191,6 +196,7 @@ def scale_profile(profile: Profile, source: DeviceType, target: DeviceType, dtyp
             {b: t * ratio for b, t in lp.backward_s.items()},
             dict(lp.activation_bytes),
             lp.param_bytes,
+            lp.param_tensors,
         )
         for name, lp in profile.layers.items()
     }
@@ -212,7 +218,8 @@ def cached_profile(cache_dir: str | Path, model: nn.Module, device_type: str, **
 def measure_links(
     group: dist.ProcessGroup | None = None, sizes: tuple[int, ...] = (1 << 16, 1 << 22), repeats: int = 3
 ) -> dict[str, dict[int, float]]:
-    """Achieved all-reduce and point-to-point bandwidth (GB/s) of ``group`` per message size in bytes.
+    """Achieved all-reduce and point-to-point bandwidth (GB/s) of ``group`` per message size in bytes,
+    and the microseconds of a one-number broadcast (``latency_us``, keyed by its 4 bytes).
 
     All-reduce bandwidth is the bus bandwidth convention: 2(n-1)/n × bytes / time. Point to
     point is ranks 0 → 1 of the group. Every rank of the group must call this.
@@ -223,7 +230,12 @@ def measure_links(
     device = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     )
-    out: dict[str, dict[int, float]] = {"all_reduce": {}, "p2p": {}}
+    out: dict[str, dict[int, float]] = {"all_reduce": {}, "p2p": {}, "latency_us": {}}
+    tiny = torch.ones(1, device=device)
+    # The cost of a collective too small to measure bandwidth: what every one of many small ones pays.
+    out["latency_us"][4] = (
+        median_seconds(lambda: dist.broadcast(tiny, dist.get_global_rank(group, 0), group=group), repeats) * 1e6
+    )
     for size in sizes:
         t = torch.ones(size // 4, device=device)
         seconds = median_seconds(lambda t=t: dist.all_reduce(t, group=group), repeats)
