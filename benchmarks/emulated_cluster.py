@@ -138,7 +138,7 @@ def calibrate(cluster_spec: dict, costs_params: int) -> dict:
     link = {"bandwidth_gbs": round(bus, 3), "latency_us": round(latency_us, 1)}
     types = {name: {**t, "bandwidth_gbs": round(bandwidth, 3)} for name, t in cluster_spec["device_types"].items()}
     print(
-        f"calibrated: gloo all-reduce {bus:.2f} GB/s (bus), a tiny broadcast {latency_us:.0f} us, "
+        f"calibrated: gloo all-reduce {bus:.2f} GB/s (bus), a tiny broadcast in a burst {latency_us:.0f} us, "
         f"AdamW step {step * 1e3:.1f} ms = {bandwidth:.2f} GB/s"
     )
     return {**cluster_spec, "device_types": types, "links": {"intra_node": link, "inter_node": link}}

@@ -219,7 +219,7 @@ def measure_links(
     group: dist.ProcessGroup | None = None, sizes: tuple[int, ...] = (1 << 16, 1 << 22), repeats: int = 3
 ) -> dict[str, dict[int, float]]:
     """Achieved all-reduce and point-to-point bandwidth (GB/s) of ``group`` per message size in bytes,
-    and the microseconds of a one-number broadcast (``latency_us``, keyed by its 4 bytes).
+    and the microseconds each one-number broadcast of a burst takes (``latency_us``, keyed by its 4 bytes).
 
     All-reduce bandwidth is the bus bandwidth convention: 2(n-1)/n × bytes / time. Point to
     point is ranks 0 → 1 of the group. Every rank of the group must call this.
@@ -231,11 +231,16 @@ def measure_links(
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     )
     out: dict[str, dict[int, float]] = {"all_reduce": {}, "p2p": {}, "latency_us": {}}
-    tiny = torch.ones(1, device=device)
-    # The cost of a collective too small to measure bandwidth: what every one of many small ones pays.
-    out["latency_us"][4] = (
-        median_seconds(lambda: dist.broadcast(tiny, dist.get_global_rank(group, 0), group=group), repeats) * 1e6
-    )
+    # What each of many small collectives costs (ZeRO-1 issues one per parameter piece): a burst of
+    # 16 one-number broadcasts from rank 0, launched together like those, per broadcast.
+    tiny = [torch.ones(1, device=device) for _ in range(16)]
+    root = dist.get_global_rank(group, 0)
+
+    def burst() -> None:
+        for work in [dist.broadcast(t, root, group=group, async_op=True) for t in tiny]:
+            work.wait()
+
+    out["latency_us"][4] = median_seconds(burst, repeats) / len(tiny) * 1e6
     for size in sizes:
         t = torch.ones(size // 4, device=device)
         seconds = median_seconds(lambda t=t: dist.all_reduce(t, group=group), repeats)
