@@ -263,11 +263,11 @@ def _label(all_pools: list[Pool], depths: tuple[int, ...]) -> str:
     )
 
 
-def _plan(cluster, costs, all_pools, kinds, sizes, splits_, link) -> tuple[Plan, MixedLayout]:
+def _plan(cluster, costs, all_pools, kinds, sizes, stage_splits, link) -> tuple[Plan, MixedLayout]:
     m, schedule, recompute = kinds[0].args[:3]
     replicas, parts, placed = [], [], []
     devices = iter(d for p in all_pools for d in p.devices)
-    for kind, b, stages in zip(kinds, sizes, splits_):
+    for kind, b, stages in zip(kinds, sizes, stage_splits):
         replicas.append(Replica(stages, share=b * m))
         parts.append(kind.view(stages, b))
         placed.append(tuple(next(devices) for _ in range(kind.depth)))
