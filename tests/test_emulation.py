@@ -191,6 +191,7 @@ def test_emulated_links_delay_sharding_pipelines_and_replicas(tmp_path: Path) ->
     path.write_text(yaml.safe_dump(spec))
     plans = [
         {"zero": 3},
+        {"zero": 3, "pipeline": {"microbatches": 2}},
         {"pp": 2, "pipeline": {"microbatches": 2}},
         {
             "replicas": [{"stages": [[0, 1], [1, 2]]}, {"stages": [[0, 2]]}, {"stages": [[0, 2]]}],
@@ -198,11 +199,13 @@ def test_emulated_links_delay_sharding_pipelines_and_replicas(tmp_path: Path) ->
         },
     ]
     delays = run_ranks(_layout_links_worker, 4, str(path), plans)
-    # ZeRO-3: per block, a gather before forward and before backward and a reduce-scatter after it,
-    # each half a ring all-reduce of the block's fp32 parameters over 4 devices.
+    # ZeRO-3: per block and micro-batch, a gather before forward and before backward; one reduce-scatter
+    # after the backward that synchronises (not inside no_sync). Each is half a ring all-reduce of
+    # the block's fp32 parameters over 4 devices: 1.5 all-reduces for one micro-batch, 2.5 for two.
     link = Cluster.from_dict(spec).links["inter_node"]
     block_bytes = [4 * sum(p.numel() for p in b.parameters()) for b in repeated_blocks(build_model("llama:2"))]
-    expected = sum(1.5 * link.all_reduce_s(n, 4) for n in block_bytes)
-    for rank, (zero3, pipeline, replicas) in enumerate(delays):
-        assert zero3 == pytest.approx(expected, rel=1e-9), rank
+    one = sum(link.all_reduce_s(n, 4) for n in block_bytes)
+    for rank, (zero3, zero3_two, pipeline, replicas) in enumerate(delays):
+        assert zero3 == pytest.approx(1.5 * one, rel=1e-9), rank
+        assert zero3_two == pytest.approx(2.5 * one, rel=1e-9), rank
         assert pipeline > 0 and replicas > 0, (rank, pipeline, replicas)

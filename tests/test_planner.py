@@ -211,3 +211,13 @@ def test_zero1_sync_adds_the_owners_broadcasts(costs: ModelCosts) -> None:
     assert tensors == 3 + 9 * n  # embedding, final norm, head; nine per Llama block
     extra = link.all_reduce_s(4 * costs.stage_params(0, n), 4) / 2 + tensors * link.latency_us * 1e-6
     assert grad_sync_s(zero1, costs, 0) == pytest.approx(grad_sync_s(plain, costs, 0) + extra, rel=1e-12)
+
+
+def test_fsdp_gathers_for_every_micro_batch_without_a_pipeline(costs: ModelCosts) -> None:
+    from tessera.planner.layout import grad_sync_s
+
+    cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A10", "count": 4}]}]})
+    plain = grad_sync_s(layout_from_plan(Hybrid(), cluster, costs, 16), costs, 0)
+    for zero, m, volumes in ((2, 1, 1.0), (2, 4, 2.5), (3, 1, 1.5), (3, 4, 4.5)):
+        layout = layout_from_plan(Hybrid(zero=zero, microbatches=m), cluster, costs, 16)
+        assert grad_sync_s(layout, costs, 0) == pytest.approx(volumes * plain, rel=1e-12), (zero, m)

@@ -49,6 +49,14 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _reduces_gradients(module: nn.Module) -> bool:
+    """Whether FSDP will reduce-scatter ``module``'s gradients in this backward (False inside
+    ``no_sync``: ``set_requires_gradient_sync(False)``); True for a module FSDP does not manage."""
+    state = getattr(module, "_get_fsdp_state", None)
+    groups = getattr(state(), "_fsdp_param_groups", ()) if state is not None else ()
+    return all(getattr(g, "reduce_grads", True) for g in groups)
+
+
 class EmulatedOutOfMemory(RuntimeError):
     """An emulated device would have run out of memory."""
 
@@ -177,18 +185,22 @@ class Emulator:
         ddp.register_comm_hook(None, delayed_all_reduce)
 
     def slow_sharding(self, blocks: Iterable[nn.Module], devices: list[int], zero: int) -> None:
-        """Delay FSDP's collectives (ZeRO-2/3) block by block, as the cost model counts them, over the
-        slowest link among ``devices`` (the rank's data-parallel group): each block's parameters are
-        gathered before its forward (ZeRO-3) and again before its backward (ZeRO-3), and its gradients
-        reduce-scattered after it. Call before sharding: it reads each block's full size."""
+        """Delay FSDP's collectives (ZeRO-2/3) block by block over the slowest link among ``devices``
+        (the rank's data-parallel group), as FSDP issues them and the cost model counts them: every
+        forward gathers the block's parameters (they were resharded after the last backward, and
+        under ZeRO-3 after the forward too, so its backward gathers again), and the backward that
+        synchronises gradients reduce-scatters them (not those inside ``no_sync``). Works on the
+        blocks' logical sizes, so it may run before or after sharding."""
         link = self._worst_link(devices)
         for block in blocks:
             nbytes = 4 * sum(p.numel() for p in block.parameters())
             half = link.all_reduce_s(nbytes, len(devices)) / 2  # one all-gather or one reduce-scatter
-            if zero == 3:
-                block.register_forward_pre_hook(lambda *_, s=half: self._sleep_link(s))
-            after = 2 * half if zero == 3 else half
-            block.register_full_backward_hook(lambda *_, s=after: self._sleep_link(s))
+            block.register_forward_pre_hook(lambda *_, s=half: self._sleep_link(s))
+
+            def after_backward(module: nn.Module, *_: Any, s: float = half) -> None:
+                self._sleep_link(s * ((zero == 3) + _reduces_gradients(module)))
+
+            block.register_full_backward_hook(after_backward)
 
     def slow_transfers(self, stage: nn.Module, previous: int | None, following: int | None) -> None:
         """Delay a pipeline stage's inputs from the device of the stage before (``previous``) and its

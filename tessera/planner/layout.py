@@ -102,15 +102,21 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
 def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     """Data-parallel gradient synchronisation of one stage's parameters (fp32 gradients).
 
-    ZeRO-0 and ZeRO-2 move one all-reduce's volume (ZeRO-2 as reduce-scatter + all-gather); ZeRO-3
-    also gathers the parameters for forward, 1.5 × the volume. ZeRO-1 (Tessera's: DDP's all-reduce,
-    then one broadcast per parameter piece from its owner) adds an all-gather's volume and one
-    collective latency per parameter tensor.
+    ZeRO-0 moves one all-reduce's volume. FSDP (ZeRO-2/3) reduce-scatters once per step and gathers
+    the parameters for every micro-batch's forward, and under ZeRO-3 again for its backward:
+    (m + 1)/2 and (2m + 1)/2 all-reduces' volume without a pipeline. Under a pipeline the schedule
+    keeps parameters gathered between micro-batches: one volume for ZeRO-2, 1.5 for ZeRO-3 (not
+    measured yet). ZeRO-1 (Tessera's: DDP's all-reduce, then one broadcast per parameter piece
+    from its owner) adds an all-gather's volume and one collective latency per parameter tensor.
     """
     first, end = layout.stages[stage]
     grad_bytes = 4 * costs.stage_params(first, end) / layout.tp
     link = layout.dp_links[stage]
-    factor = 1.5 if layout.zero == 3 else 1.0
+    factor = 1.0
+    if layout.zero >= 2 and layout.pp == 1:  # FSDP gathers for every micro-batch, reduce-scatters once
+        factor = ((2 if layout.zero == 3 else 1) * layout.microbatches + 1) / 2
+    elif layout.zero == 3:
+        factor = 1.5
     seconds = factor * link.all_reduce_s(grad_bytes, layout.dp)
     if layout.zero == 1 and layout.dp > 1:
         # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces:
