@@ -231,7 +231,7 @@ class Booster:
         """Under emulation, FSDP's per-block collectives wait for the data-parallel group's slowest link."""
         if self.emulator is not None and data_parallel.uses_fsdp(self.plan):
             devices = [self.plan.device_of(r) for r in dist.get_process_group_ranks(self.grad_mesh.get_group())]
-            self.emulator.slow_sharding(data_parallel.repeated_blocks(module), devices, self.plan.zero)
+            self.emulator.slow_sharding(data_parallel.repeated_blocks(module), devices, self.plan.zero, root=module)
 
     def _emulate_transfers(self, stages: list[tuple[int, nn.Module]], ranks: list[int], n_stages: int) -> None:
         """Under emulation, each stage's activations and gradients wait for the link to its neighbour's device

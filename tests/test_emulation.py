@@ -199,12 +199,15 @@ def test_emulated_links_delay_sharding_pipelines_and_replicas(tmp_path: Path) ->
         },
     ]
     delays = run_ranks(_layout_links_worker, 4, str(path), plans)
-    # ZeRO-3: per block and micro-batch, a gather before forward and before backward; one reduce-scatter
+    # ZeRO-3: per unit (block or root) and micro-batch, a gather before forward and before backward; one reduce-scatter
     # after the backward that synchronises (not inside no_sync). Each is half a ring all-reduce of
     # the block's fp32 parameters over 4 devices: 1.5 all-reduces for one micro-batch, 2.5 for two.
     link = Cluster.from_dict(spec).links["inter_node"]
-    block_bytes = [4 * sum(p.numel() for p in b.parameters()) for b in repeated_blocks(build_model("llama:2"))]
-    one = sum(link.all_reduce_s(n, 4) for n in block_bytes)
+    model = build_model("llama:2")
+    blocks = repeated_blocks(model)
+    unit_bytes = [4 * sum(p.numel() for p in b.parameters()) for b in blocks]
+    unit_bytes.append(4 * sum(p.numel() for p in model.parameters()) - sum(unit_bytes))  # the root unit
+    one = sum(link.all_reduce_s(n, 4) for n in unit_bytes)
     for rank, (zero3, zero3_two, pipeline, replicas) in enumerate(delays):
         assert zero3 == pytest.approx(1.5 * one, rel=1e-9), rank
         assert zero3_two == pytest.approx(2.5 * one, rel=1e-9), rank

@@ -213,11 +213,16 @@ def test_zero1_sync_adds_the_owners_broadcasts(costs: ModelCosts) -> None:
     assert grad_sync_s(zero1, costs, 0) == pytest.approx(grad_sync_s(plain, costs, 0) + extra, rel=1e-12)
 
 
-def test_fsdp_gathers_for_every_micro_batch_without_a_pipeline(costs: ModelCosts) -> None:
+def test_fsdp_collectives_per_unit_and_micro_batch_without_a_pipeline(costs: ModelCosts) -> None:
+    """FSDP gathers every unit (each block, and the root) for each micro-batch's forward, and under
+    ZeRO-3 again for its backward, and reduce-scatters once: each collective half an all-reduce's
+    volume of its unit, and dp − 1 latencies."""
     from tessera.planner.layout import grad_sync_s
 
     cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A10", "count": 4}]}]})
-    plain = grad_sync_s(layout_from_plan(Hybrid(), cluster, costs, 16), costs, 0)
-    for zero, m, volumes in ((2, 1, 1.0), (2, 4, 2.5), (3, 1, 1.5), (3, 4, 4.5)):
+    link, n = cluster.links["intra_node"], costs.n_layers
+    half_volume = 3 / 4 * 4 * costs.stage_params(0, n) / (link.bandwidth_gbs * 1e9)
+    latencies = (n + 1) * 3 * link.latency_us * 1e-6
+    for zero, m, uses in ((2, 1, 2), (2, 4, 5), (3, 1, 3), (3, 4, 9)):
         layout = layout_from_plan(Hybrid(zero=zero, microbatches=m), cluster, costs, 16)
-        assert grad_sync_s(layout, costs, 0) == pytest.approx(volumes * plain, rel=1e-12), (zero, m)
+        assert grad_sync_s(layout, costs, 0) == pytest.approx(uses * (half_volume + latencies), rel=1e-12), (zero, m)

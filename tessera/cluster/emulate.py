@@ -46,6 +46,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):  # e.g. a Hugging Face ModelOutput
+        return [t for x in obj.values() for t in _tensors(x)]
     return []
 
 
@@ -95,6 +97,7 @@ class Emulator:
         self.link_s = 0.0  # delays added to gradient all-reduces
         self.block_s = block_s
         self.recompute_full = False  # set by the Booster: backward then includes a second forward
+        self.links = True  # False: the cluster's links are this machine's own, left as they are
         self.speed_ratio = max(peaks) / own  # the fastest device's speed over this one's
         self.slowed = {"forward": 0, "backward": 0}  # blocks slowed so far, by pass
         self._batch: dict[int, int] = {}
@@ -103,12 +106,16 @@ class Emulator:
 
     @classmethod
     def from_environment(cls, cluster: Cluster | str | Path, device: int, dtype: str) -> Emulator:
-        """An emulator for ``device`` with the pace the environment sets: ``TESSERA_EMULATE_SCALE`` and
-        ``TESSERA_EMULATE_BLOCK`` ("call,per_sample,ratio" seconds of a block on the fastest device)."""
+        """An emulator for ``device`` with the pace the environment sets: ``TESSERA_EMULATE_SCALE``,
+        ``TESSERA_EMULATE_BLOCK`` ("call,per_sample,ratio" seconds of a block on the fastest device)
+        and ``TESSERA_EMULATE_LINKS=0`` (the cluster file's links are this machine's measured ones:
+        leave them as they are rather than wait for them again)."""
         scale = float(os.environ.get("TESSERA_EMULATE_SCALE", "1"))
         block = os.environ.get("TESSERA_EMULATE_BLOCK")
         block_s = tuple(float(x) for x in block.split(",")) if block else None
-        return cls(cluster, device, dtype, scale, block_s)  # type: ignore[arg-type]
+        emulator = cls(cluster, device, dtype, scale, block_s)  # type: ignore[arg-type]
+        emulator.links = os.environ.get("TESSERA_EMULATE_LINKS", "1") != "0"
+        return emulator
 
     def describe(self) -> str:
         pace = (
@@ -184,23 +191,39 @@ class Emulator:
 
         ddp.register_comm_hook(None, delayed_all_reduce)
 
-    def slow_sharding(self, blocks: Iterable[nn.Module], devices: list[int], zero: int) -> None:
+    def slow_sharding(
+        self, blocks: Iterable[nn.Module], devices: list[int], zero: int, root: nn.Module | None = None
+    ) -> None:
         """Delay FSDP's collectives (ZeRO-2/3) block by block over the slowest link among ``devices``
         (the rank's data-parallel group), as FSDP issues them and the cost model counts them: every
         forward gathers the block's parameters (they were resharded after the last backward, and
         under ZeRO-3 after the forward too, so its backward gathers again), and the backward that
-        synchronises gradients reduce-scatters them (not those inside ``no_sync``). Works on the
-        blocks' logical sizes, so it may run before or after sharding."""
+        synchronises gradients reduce-scatters them (not those inside ``no_sync``). ``root``: the
+        module wrapped around the blocks, a unit of its own. Works on logical sizes, so it may run
+        before or after sharding."""
         link = self._worst_link(devices)
-        for block in blocks:
-            nbytes = 4 * sum(p.numel() for p in block.parameters())
+        blocks = list(blocks)
+        inside = {id(p) for b in blocks for p in b.parameters()}
+        units = [(b, 4 * sum(p.numel() for p in b.parameters())) for b in blocks]
+        if root is not None:  # the root unit: what no block holds (embeddings, final norm, head)
+            units.append((root, 4 * sum(p.numel() for p in root.parameters() if id(p) not in inside)))
+        for block, nbytes in units:
             half = link.all_reduce_s(nbytes, len(devices)) / 2  # one all-gather or one reduce-scatter
             block.register_forward_pre_hook(lambda *_, s=half: self._sleep_link(s))
 
-            def after_backward(module: nn.Module, *_: Any, s: float = half) -> None:
+            def backward_share(module: nn.Module, s: float = half) -> None:
                 self._sleep_link(s * ((zero == 3) + _reduces_gradients(module)))
 
-            block.register_full_backward_hook(after_backward)
+            if block is root:  # its inputs (token ids) need no gradient: hook its output's gradient instead
+
+                def on_root_output(module: nn.Module, _: Any, output: Any, share=backward_share) -> None:
+                    graded = [t for t in _tensors(output) if t.requires_grad]  # returns None: the output is kept
+                    if graded:
+                        graded[0].register_hook(lambda g: share(module))
+
+                block.register_forward_hook(on_root_output)
+            else:
+                block.register_full_backward_hook(lambda m, *_, share=backward_share: share(m))
 
     def slow_transfers(self, stage: nn.Module, previous: int | None, following: int | None) -> None:
         """Delay a pipeline stage's inputs from the device of the stage before (``previous``) and its
@@ -229,6 +252,8 @@ class Emulator:
         return self.cluster.worst_link({all_devices[d][0] for d in devices})
 
     def _sleep_link(self, seconds: float) -> None:
+        if not self.links:
+            return
         self.link_s += seconds
         time.sleep(seconds)
 

@@ -102,28 +102,33 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
 def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     """Data-parallel gradient synchronisation of one stage's parameters (fp32 gradients).
 
-    ZeRO-0 moves one all-reduce's volume. FSDP (ZeRO-2/3) reduce-scatters once per step and gathers
-    the parameters for every micro-batch's forward, and under ZeRO-3 again for its backward:
-    (m + 1)/2 and (2m + 1)/2 all-reduces' volume without a pipeline. Under a pipeline the schedule
-    keeps parameters gathered between micro-batches: one volume for ZeRO-2, 1.5 for ZeRO-3 (not
-    measured yet). ZeRO-1 (Tessera's: DDP's all-reduce, then one broadcast per parameter piece
-    from its owner) adds an all-gather's volume and one collective latency per parameter tensor.
+    ZeRO-0 moves one all-reduce's volume. FSDP (ZeRO-2/3) works unit by unit (each block and the
+    stage's root): it reduce-scatters once per step and gathers the parameters for every
+    micro-batch's forward, and under ZeRO-3 again for its backward, so without a pipeline it
+    moves (m + 1)/2 and (2m + 1)/2 all-reduces' volume and pays the latency of every one of those
+    per-unit collectives. Under a pipeline the schedule keeps parameters gathered between
+    micro-batches: one volume for ZeRO-2, 1.5 for ZeRO-3 (not measured yet). ZeRO-1 (Tessera's:
+    DDP's all-reduce, then one broadcast per parameter piece from its owner) adds an all-gather's
+    volume and one collective latency per parameter tensor.
     """
     first, end = layout.stages[stage]
     grad_bytes = 4 * costs.stage_params(first, end) / layout.tp
-    link = layout.dp_links[stage]
-    factor = 1.0
-    if layout.zero >= 2 and layout.pp == 1:  # FSDP gathers for every micro-batch, reduce-scatters once
-        factor = ((2 if layout.zero == 3 else 1) * layout.microbatches + 1) / 2
-    elif layout.zero == 3:
-        factor = 1.5
-    seconds = factor * link.all_reduce_s(grad_bytes, layout.dp)
-    if layout.zero == 1 and layout.dp > 1:
+    link, dp = layout.dp_links[stage], layout.dp
+    if dp <= 1:
+        return 0.0
+    if layout.zero >= 2:
+        # FSDP: one gather or reduce-scatter per unit (each block, and the stage's root) per use;
+        # each moves its unit's share of half an all-reduce's volume and pays dp − 1 latencies.
+        m = layout.microbatches if layout.pp == 1 else 1
+        uses = (2 if layout.zero == 3 else 1) * m + 1 if layout.pp == 1 else (3 if layout.zero == 3 else 2)
+        half_volume = (dp - 1) / dp * grad_bytes / (link.bandwidth_gbs * 1e9)
+        units = end - first + 1
+        return uses * (half_volume + units * (dp - 1) * link.latency_us * 1e-6)
+    seconds = link.all_reduce_s(grad_bytes, dp)
+    if layout.zero == 1:
         # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces:
         # an all-gather's volume, and a collective's latency per parameter tensor.
-        seconds += (
-            link.all_reduce_s(grad_bytes, layout.dp) / 2 + costs.stage_tensors(first, end) * link.latency_us * 1e-6
-        )
+        seconds += link.all_reduce_s(grad_bytes, dp) / 2 + costs.stage_tensors(first, end) * link.latency_us * 1e-6
     return seconds
 
 
