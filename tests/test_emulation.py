@@ -212,3 +212,14 @@ def test_emulated_links_delay_sharding_pipelines_and_replicas(tmp_path: Path) ->
         assert zero3 == pytest.approx(1.5 * one, rel=1e-9), rank
         assert zero3_two == pytest.approx(2.5 * one, rel=1e-9), rank
         assert pipeline > 0 and replicas > 0, (rank, pipeline, replicas)
+
+
+def test_links_that_are_this_machines_own_are_left_as_they_are(monkeypatch, cluster_file: Path) -> None:
+    monkeypatch.setenv("TESSERA_EMULATE_LINKS", "0")
+    emulator = Emulator.from_environment(cluster_file, 0, "fp32")
+    emulator.delay_all_reduce([0, 3], 1 << 20)
+    assert not emulator.links and emulator.link_s == 0.0
+    monkeypatch.delenv("TESSERA_EMULATE_LINKS")
+    emulator = Emulator.from_environment(cluster_file, 0, "fp32")
+    emulator.delay_all_reduce([0, 3], 1 << 20)
+    assert emulator.link_s > 0
