@@ -218,13 +218,9 @@ class Booster:
             assert isinstance(local, PipelineModel) and self._replica_group is not None
             spec = dataclasses.replace(self.plan.pipeline, stages=replica.stages)
             self._pipeline = PipelineRunner(local, spec, replica.depth, self._replica_group, self.device)
-        before_reduce = None
-        if self.emulator is not None:
-            emulator = self.emulator
-            before_reduce = lambda ranks, nbytes: emulator.delay_all_reduce(  # noqa: E731
-                [self.plan.device_of(r) for r in ranks], nbytes
-            )
-        self._layer_sync = LayerSync(self.plan, names, local, layout, before_reduce)
+        self._layer_sync = LayerSync(
+            self.plan, names, local, layout, self._emulate_layer_sync if self.emulator is not None else None
+        )
         return local
 
     def _emulate_sharding(self, module: nn.Module) -> None:
@@ -244,6 +240,11 @@ class Booster:
             self.emulator.slow_transfers(
                 stage, device[i - 1] if i > 0 else None, device[i + 1] if i < n_stages - 1 else None
             )
+
+    def _emulate_layer_sync(self, ranks: tuple[int, ...], nbytes: int) -> None:
+        """Under emulation, one of the replicas' per-layer all-reduces waits for its holders' slowest link."""
+        assert self.emulator is not None
+        self.emulator.delay_all_reduce([self.plan.device_of(r) for r in ranks], nbytes)
 
     def _emulate_all_reduce(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
         if self.emulator is not None:
