@@ -144,41 +144,39 @@ def calibrate(cluster_spec: dict, costs_params: int) -> dict:
     return {**cluster_spec, "device_types": types, "links": {"intra_node": link, "inter_node": link}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> argparse.Namespace:
+    """The command line every emulated benchmark takes."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--time-scale", type=float, default=8.0)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from tessera import DDP
-    from tessera.cluster import Cluster
-    from tessera.planner.costmodel import estimate
+
+def profiled_costs(time_scale: float) -> Any:
+    """This CPU's profile of the model, as costs on the fastest emulated device (4 TFLOP/s × time_scale)."""
     from tessera.planner.costs import ModelCosts
-    from tessera.planner.layout import layout_from_plan
     from tessera.planner.profile import profile_model
-    from tessera.planner.search import search
-    from tessera.testing import run_ranks
 
     torch.set_num_threads(1)
     profile = profile_model(build_model(), batch_sizes=(1, 2, 4, 8, 16), seq_len=SEQ, repeats=7)
-    costs = ModelCosts.from_profile(profile, peak_tflops=4.0 * args.time_scale, hidden=128)
-    four_spec = calibrate(FOUR, costs.stage_params(0, costs.n_layers))
-    two_spec = {**four_spec, "nodes": [four_spec["nodes"][0]]}
-    four, two = Cluster.from_dict(four_spec), Cluster.from_dict(two_spec)
-    planned = search(four, costs, BATCH, top=1)[0].plan
-    plans = {
-        "planned": (planned, four, four_spec),
-        "uniform": (DDP(), four, four_spec),
-        "drop slow": (DDP(), two, two_spec),
-    }
+    return ModelCosts.from_profile(profile, peak_tflops=4.0 * time_scale, hidden=128)
+
+
+def compare(plans: dict[str, tuple], costs: Any, args: argparse.Namespace, baseline: str) -> dict[str, dict]:
+    """Run ``plans`` (name → (Plan, Cluster, cluster spec)) in turn, ``args.reps`` times each, on emulated
+    devices paced by ``costs``; print and return each plan's measured and predicted step."""
+    from tessera.planner.costmodel import estimate
+    from tessera.planner.layout import layout_from_plan
+    from tessera.testing import run_ranks
+
     tmp = Path(tempfile.mkdtemp())
     measured: dict[str, list[float]] = {name: [] for name in plans}
     notes: dict[str, Any] = {}
     os.environ["TESSERA_EMULATE_SCALE"] = str(args.time_scale)
-    # The cluster's links are this machine's own, measured above: the real transfers already take that
-    # long, so emulation must not wait for them a second time.
+    # The cluster's links are this machine's own, measured by calibrate(): the real transfers already
+    # take that long, so emulation must not wait for them a second time.
     os.environ["TESSERA_EMULATE_LINKS"] = "0"
     block = costs.parts["block"]  # blocks take the profiled line (× time scale), not this run's noisy CPU time
     scale = costs.ref_tflops / 4.0
@@ -208,12 +206,33 @@ def main() -> None:
     for name, row in rows.items():
         print(
             f"{name:10s} measured {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:7.0f} tokens/s "
-            f"(x{row['tokens_per_s'] / rows['uniform']['tokens_per_s']:.2f} uniform)  predicted "
+            f"(x{row['tokens_per_s'] / rows[baseline]['tokens_per_s']:.2f} {baseline})  predicted "
             f"{row['predicted_step_s']:.3f} s ({row['predicted_over_measured'] - 1:+.1%})"
         )
-    print("EMULATED cluster: speeds 1, 1, 1/2, 1/4 by sleeping (time scale", args.time_scale, ")")
     if args.json:
         Path(args.json).write_text(json.dumps({"time_scale": args.time_scale, "rows": rows}, indent=2, default=str))
+    return rows
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
+
+    from tessera import DDP
+    from tessera.cluster import Cluster
+    from tessera.planner.search import search
+
+    costs = profiled_costs(args.time_scale)
+    four_spec = calibrate(FOUR, costs.stage_params(0, costs.n_layers))
+    two_spec = {**four_spec, "nodes": [four_spec["nodes"][0]]}
+    four, two = Cluster.from_dict(four_spec), Cluster.from_dict(two_spec)
+    planned = search(four, costs, BATCH, top=1)[0].plan
+    plans = {
+        "planned": (planned, four, four_spec),
+        "uniform": (DDP(), four, four_spec),
+        "drop slow": (DDP(), two, two_spec),
+    }
+    compare(plans, costs, args, baseline="uniform")
+    print("EMULATED cluster: speeds 1, 1, 1/2, 1/4 by sleeping (time scale", args.time_scale, ")")
 
 
 if __name__ == "__main__":
