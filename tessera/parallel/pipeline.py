@@ -280,8 +280,14 @@ def average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> N
     grads = [local(p.grad) for p in params if p.grad is not None]  # tp shards: the dp ranks hold alike ones
     if not grads or dist.get_world_size(group) == 1:
         return
+    sum_flat_(grads, group, divisor=dist.get_world_size(group))
+
+
+@torch.no_grad()
+def sum_flat_(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: float = 1.0) -> None:
+    """Replace ``grads`` in place by their sum over ``group`` divided by ``divisor``, in one flat all-reduce."""
     flat = torch.cat([g.reshape(-1) for g in grads])
-    flat /= dist.get_world_size(group)
+    flat /= divisor
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:

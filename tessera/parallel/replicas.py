@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.models.policies.base import PipelineLayout
-from tessera.parallel.pipeline import stage_of
+from tessera.parallel.pipeline import stage_of, sum_flat_
 from tessera.plan import Plan
 
 BUCKET_BYTES = 25 * 2**20  # like DDP's buckets: the flat copy each all-reduce needs stays this small
@@ -124,15 +124,9 @@ class LayerSync:
                 if p.grad is None:  # an unused parameter still takes part, so the collectives match
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
             if self.before_reduce is not None:
-                self.before_reduce(ranks, flat.numel() * flat.element_size())
-            dist.all_reduce(flat, group=group)
-            flat /= self.replicas
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))  # type: ignore[union-attr]
-                offset += g.numel()  # type: ignore[union-attr]
+                self.before_reduce(ranks, sum(g.numel() * g.element_size() for g in grads))  # type: ignore[union-attr]
+            sum_flat_(grads, group, divisor=self.replicas)  # type: ignore[arg-type]
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
