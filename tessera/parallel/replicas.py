@@ -33,27 +33,29 @@ class ReplicaRanks:
     ranks: tuple[int, ...]
 
 
-def replica_ranks(plan: Plan, rank: int) -> ReplicaRanks:
-    """The replica and stage of ``rank`` under ``plan.replicas`` (replicas take consecutive ranks)."""
+def rank_ranges(plan: Plan) -> list[range]:
+    """Each replica's global ranks, stage order: replicas take consecutive ranks, one per stage."""
     assert plan.replicas is not None
-    first = 0
-    for index, replica in enumerate(plan.replicas):
-        if rank < first + replica.depth:
-            return ReplicaRanks(index, rank - first, tuple(range(first, first + replica.depth)))
+    out, first = [], 0
+    for replica in plan.replicas:
+        out.append(range(first, first + replica.depth))
         first += replica.depth
-    raise ValueError(f"rank {rank} is past the {first} ranks of Plan.replicas")
+    return out
+
+
+def replica_ranks(plan: Plan, rank: int) -> ReplicaRanks:
+    """The replica and stage of ``rank`` under ``plan.replicas``."""
+    ranges = rank_ranges(plan)
+    index = next((i for i, ranks in enumerate(ranges) if rank in ranks), None)
+    if index is None:
+        raise ValueError(f"rank {rank} is past the {ranges[-1].stop} ranks of Plan.replicas")
+    ranks = ranges[index]
+    return ReplicaRanks(index, rank - ranks.start, tuple(ranks))
 
 
 def replica_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
     """One process group per replica (None for a one-rank replica); every rank makes every group."""
-    assert plan.replicas is not None
-    groups: list[dist.ProcessGroup | None] = []
-    first = 0
-    for replica in plan.replicas:
-        ranks = list(range(first, first + replica.depth))
-        groups.append(dist.new_group(ranks) if len(ranks) > 1 else None)
-        first += replica.depth
-    return groups
+    return [dist.new_group(list(ranks)) if len(ranks) > 1 else None for ranks in rank_ranges(plan)]
 
 
 def holders(plan: Plan, names: list[str], layout: PipelineLayout | None) -> tuple[int, ...]:
@@ -61,15 +63,13 @@ def holders(plan: Plan, names: list[str], layout: PipelineLayout | None) -> tupl
     replica, the rank of the stage that holds each name (every stage's, for a module all stages hold)."""
     assert plan.replicas is not None
     out: set[int] = set()
-    first = 0
-    for replica in plan.replicas:
+    for replica, ranks in zip(plan.replicas, rank_ranges(plan)):
         if replica.depth == 1:
-            out.add(first)
+            out.add(ranks.start)
         else:
             assert layout is not None
             stages = {stage_of(n, layout, replica.stages) for n in names}
-            out.update(first + s for s in (range(replica.depth) if None in stages else stages))  # type: ignore[arg-type]
-        first += replica.depth
+            out.update(ranks[s] for s in (range(replica.depth) if None in stages else stages))  # type: ignore[arg-type]
     return tuple(sorted(out))
 
 

@@ -317,6 +317,7 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
     """The MixedLayout of a ``Plan.replicas`` plan on ``cluster`` (rank i on device ``plan.device_of(i)``)."""
     from tessera.data.sharding import split_batch
     from tessera.errors import PlanError
+    from tessera.parallel.replicas import rank_ranges
 
     assert plan.replicas is not None
     plan = plan.resolve(cluster.world_size)
@@ -325,13 +326,13 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
     m = plan.pipeline.microbatches
     r = len(plan.replicas)
     link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(cluster.world_size)})
-    parts, placed, rank = [], [], 0
-    for i, (replica, n) in enumerate(zip(plan.replicas, samples)):
+    parts, placed = [], []
+    for i, (replica, n, ranks) in enumerate(zip(plan.replicas, samples, rank_ranges(plan))):
         if n % m:
             raise PlanError(
                 f"Plan.replicas[{i}] takes {n} samples, which Plan.pipeline.microbatches={m} does not divide."
             )
-        members = [plan.device_of(rank + s) for s in range(replica.depth)]
+        members = [plan.device_of(rank) for rank in ranks]
         units = tuple(unit_of(cluster, [devices[d]], costs.precision) for d in members)
         nodes = [devices[d][0] for d in members]
         p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
@@ -341,5 +342,4 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
                    (link,) * replica.depth)
         )  # fmt: skip
         placed.append(tuple(members))
-        rank += replica.depth
     return MixedLayout(tuple(parts), link, tuple(placed))
