@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from tessera.cluster.spec import Cluster, Link
 from tessera.plan import PipelineSpec, Plan, Replica
-from tessera.planner.costmodel import DeviceMemory, Estimate, _bottleneck, device_memory, pipeline_s
+from tessera.planner.costmodel import DeviceMemory, Estimate, _bottleneck, _breakdown, device_memory, pipeline_s
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import Layout, ReplicaSpec, UnitSpec, op_times, optimizer_s, unit_of
 from tessera.planner.space import proportional_split, splits
@@ -295,18 +295,8 @@ def mixed_estimate(layout: MixedLayout, costs: ModelCosts) -> Estimate:
             memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
     sync = sync_s(costs, layout.sync_link, len(layout.parts))
     step = max(pipes) + sync + max(opts)
-    critical = max(range(len(layout.parts)), key=lambda i: pipes[i])
-    part = layout.parts[critical]
-    times = op_times(part, costs, part.replicas[0])
-    busiest = max(range(part.pp), key=lambda s: times.forward[s] + times.backward[s])
-    compute = part.microbatches * (times.forward[busiest] + times.backward[busiest])
-    breakdown = {
-        "compute": compute,
-        "gradient sync": sync,
-        "optimizer": max(opts),
-        "pipeline bubble and transfers": max(step - compute - sync - max(opts), 0.0),
-        "busiest stage": float(busiest),
-    }
+    part = layout.parts[max(range(len(layout.parts)), key=lambda i: pipes[i])]  # the critical replica
+    breakdown = _breakdown(part, costs, step, [sync], max(opts))
     tokens = layout.global_batch * costs.seq_len
     return Estimate(
         step, tokens / step, tuple(memory), tuple(pipes), (sync,), max(opts), _bottleneck(part, breakdown), breakdown
