@@ -74,10 +74,10 @@ class Booster:
         # Ranks are laid out (pp, dp, tp) or (pp, dp, sp) row-major, as init_device_mesh does: the
         # ranks of one tp or sp group are neighbours and share their samples, and every stage of
         # one pipeline reads the same samples.
-        self.dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
         self.replica = replica_ranks(self.plan, dist.get_rank()) if self.plan.replicas is not None else None
-        if self.replica is not None:  # replicas of different depth take consecutive ranks, no grid
-            self.dp_rank = self.replica.index
+        # Replicas of different depth take consecutive ranks: no grid, the replica is the dp rank.
+        grid_dp_rank = (dist.get_rank() // (self.plan.tp * self.plan.ulysses_size)) % self.plan.dp
+        self.dp_rank = self.replica.index if self.replica is not None else grid_dp_rank
         self.sp_rank = dist.get_rank() % self.plan.ulysses_size
         self._mesh: DeviceMesh | None = None  # made in boost(), after the model is checked against the plan
         self._grad_mesh: DeviceMesh | None = None
