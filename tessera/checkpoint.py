@@ -12,13 +12,18 @@ Layout of one checkpoint directory::
         .metadata, __*.distcp      DCP: {"model": ..., "optim": ...}
         trainer.pt                 step, data position, scheduler, loss scaler (rank 0)
         rng_rank{r}.pt             each rank's RNG states (restored when the world size matches)
-        meta.json                  step, world size, plan — written last: marks the checkpoint complete
+        meta.json                  step, world size, run id, plan — written last: marks the checkpoint complete
+
+Checkpoints hold only data: every file is read with ``weights_only=True`` (tensors, numbers,
+strings and containers), so a crafted file cannot run code on ``--resume``; it is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -59,9 +64,35 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    done = list_checkpoints(root)
+def checkpoint_run_id(path: Path) -> str | None:
+    """The id of the run that wrote the checkpoint at ``path`` (None: written before runs had ids)."""
+    try:
+        run_id = json.loads((path / "meta.json").read_text()).get("run_id")
+    except (ValueError, AttributeError, OSError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def run_checkpoints(root: str | Path, run_id: str | None) -> list[Path]:
+    """Complete checkpoints of run ``run_id`` (and any without an id), oldest first."""
+    return [p for p in list_checkpoints(root) if run_id is None or checkpoint_run_id(p) in (run_id, None)]
+
+
+def latest_checkpoint(root: str | Path, run_id: str | None = None) -> Path | None:
+    done = run_checkpoints(root, run_id)
     return done[-1] if done else None
+
+
+def read_data(path: Path) -> object:
+    """A ``torch.save`` file that may hold only data; anything that would run code is refused."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "not plain data"
+        raise CheckpointError(
+            f"'{path}' holds objects that are not plain data ({reason}); Tessera checkpoints hold only tensors, "
+            "numbers and strings, so this file was crafted or written by another program: refused, nothing loaded."
+        ) from None
 
 
 # --------------------------------------------------------------------------- state dicts
@@ -130,27 +161,60 @@ def save_checkpoint(
     keep: int,
     meta: dict[str, Any],
 ) -> Path:
-    """Write a checkpoint of ``step`` under ``root`` on every rank; keep the newest ``keep``."""
+    """Write a checkpoint of ``step`` under ``root`` on every rank; keep the newest ``keep`` of this run
+    (``meta["run_id"]``); another run's checkpoints are never touched.
+
+    A full disk removes the partial checkpoint and raises :class:`~tessera.train.failures.RuntimeFault`:
+    the previous checkpoint stays intact.
+    """
     root = Path(root)
     final, tmp = root / _dir_name(step), root / (_dir_name(step) + ".tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
-        tmp.mkdir(parents=True)
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dcp.save(_to_storable(_state_dicts(model, optimizer)), checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        faults.during_save(step)
+        dist.barrier()
+        if rank == 0:
+            torch.save(trainer_state, tmp / "trainer.pt")
+            (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), **meta}))
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        if not _disk_full(exc):
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        from tessera.train.failures import RuntimeFault
+
+        previous = latest_checkpoint(root, meta.get("run_id"))
+        kept = f"the last complete checkpoint, '{previous}', is intact" if previous else "no earlier checkpoint exists"
+        raise RuntimeFault(
+            f"the disk is full while saving the step-{step} checkpoint under '{root}' (the partial save was removed; "
+            f"{kept}): free space, then continue with --resume."
+        ) from None
     dist.barrier()
-    dcp.save(_to_storable(_state_dicts(model, optimizer)), checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    faults.during_save(step)
-    dist.barrier()
     if rank == 0:
-        torch.save(trainer_state, tmp / "trainer.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), **meta}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in list_checkpoints(root)[:-keep]:
+        for old in run_checkpoints(root, meta.get("run_id"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps: DCP gathers every rank's failure) is a full disk or quota."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return True
+    wrapped = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
+    inner = [exc.__cause__, exc.__context__, *wrapped]
+    return any(isinstance(e, BaseException) and e is not exc and _disk_full(e) for e in inner)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -213,7 +277,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     state = _to_storable(layout)
     try:
         dcp.load(state, checkpoint_id=str(path))
-        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+        trainer_state = read_data(path / "trainer.pt")
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
@@ -230,7 +296,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     meta = json.loads((path / "meta.json").read_text())
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = read_data(rng_file)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

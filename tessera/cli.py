@@ -5,20 +5,44 @@
     tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
     tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR]      full model from any layout's checkpoint
 
-Bad input prints one ``tessera: error: ...`` paragraph and exits with code 2.
+Every failure prints one ``tessera: error: ...`` paragraph. Exit codes: 2 bad input, 3 a collective
+timed out (a rank died or hung), 4 a runtime fault (out of memory, disk full, a crashed rank),
+130 interrupted (see :mod:`tessera.train.failures`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
-from tessera.errors import PlanError
+from tessera.inputs import check_output_file
+from tessera.train.failures import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME_FAULT
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one ``tessera: error:`` paragraph (exit 2) like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"tessera: error: {self.prog}: {message} (see: {self.prog} --help)\n")
+
+
+def _count(minimum: int):
+    """An argparse type: a whole number >= ``minimum``, refused with the flag's name otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    return parse
 
 
 def _plan_check(args: argparse.Namespace) -> int:
@@ -45,6 +69,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("tessera plan needs --model CONFIG.yaml --cluster CLUSTER.yaml --global-batch N.")
     cfg = load_config(args.model, [])
     cluster = Cluster.load(args.cluster)
+    check_output_file(args.out, "--out", force=True)  # plan files are outputs: rewritten, but must be writable
+    check_output_file(args.png, "--png", force=True)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = build_model(cfg)
     costs = ModelCosts.from_model(model, cfg.data.seq_len, cfg.plan.precision)
@@ -93,56 +119,31 @@ def _print_launch(plan, cluster) -> None:
     print(f"launch plan 0 with torchrun --nnodes {len(order)}: {launch}")
 
 
-def _validate_training(args: argparse.Namespace) -> None:
-    """Everything that can be checked before any process starts or any file is written."""
-    from tessera.data.text import check_corpus_size, resolve_paths
-    from tessera.train.config import ConfigError, load_config, plan_from_config
-
-    cfg = load_config(args.config, args.overrides)
-    world = args.nproc * args.nnodes
-    try:
-        plan = plan_from_config(cfg.plan).resolve(world)
-        from tessera.data.sharding import split_batch
-
-        split_batch(cfg.train.global_batch_size, plan.shares())
-    except PlanError as exc:
-        raise ConfigError(f"plan (for {world} ranks): {exc}") from None
-    check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only: ranks read
-
-
 def _train(args: argparse.Namespace) -> int:
-    _validate_training(args)
-    run_args = [args.config, *(f"--set={o}" for o in args.overrides)]
+    from tessera.train.launch import Launch, launch
+    from tessera.train.preflight import check_training
+
+    if args.emulate:  # read by every rank's Booster (tessera.cluster.emulate)
+        from tessera.cluster.spec import Cluster
+
+        Cluster.load(args.emulate)
+        os.environ["TESSERA_EMULATE"] = str(Path(args.emulate).resolve())
+    cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite)
+    rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank
         from tessera.train.run import main as run_main
 
-        return run_main(run_args)
-    launch = [f"--nproc-per-node={args.nproc}", f"--max-restarts={args.max_restarts}"]
-    if args.nnodes > 1 or args.rdzv_endpoint:
-        launch += [
-            f"--nnodes={args.nnodes}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={args.rdzv_endpoint}",
-            f"--rdzv-id={args.rdzv_id}",
-        ]
-    else:
-        launch += ["--standalone"]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # reliable restarts (design brief, trap 3)
-    proc = subprocess.run(
-        [*TORCHRUN, *launch, "-m", "tessera.train.run", *run_args], env=env, stderr=subprocess.PIPE, text=True
-    )
-    if proc.returncode:
-        ours = [line for line in proc.stderr.splitlines() if line.startswith("tessera: error:")]
-        print(ours[0] if ours else proc.stderr[-4000:], file=sys.stderr)
-        return 2 if ours else proc.returncode
-    return 0
+        return run_main(rank_args)
+    job = Launch(rank_args, cfg.run_dir, args.nproc, args.nnodes, args.max_restarts, args.rdzv_endpoint, args.rdzv_id)
+    return launch(job)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tessera.export import export_hf, export_safetensors
+    from tessera.export import check_export_targets, export_hf, export_safetensors
 
     if not args.out and not args.hf_dir:
         raise ValueError("tessera export needs --out FILE.safetensors and/or --hf-dir DIR.")
+    check_export_targets(args.checkpoint, args.out, args.hf_dir, args.force)
     if args.out:
         print(f"wrote {export_safetensors(args.checkpoint, args.out)}")
     if args.hf_dir:
@@ -158,6 +159,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
         text = describe(detect(args.name))
         if args.out:
+            check_output_file(args.out, "--out", args.force)
             Path(args.out).write_text(text)
             print(f"wrote {args.out}")
         else:
@@ -173,7 +175,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tessera", description="Scale PyTorch training with one Plan.")
+    ap = _Parser(prog="tessera", description="Scale PyTorch training with one Plan.")
     sub = ap.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a YAML config (launches torchrun)")
     train.add_argument("config")
@@ -186,34 +188,39 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config value, e.g. --set plan.zero=3",
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    train.add_argument("--nproc", type=int, default=2, help="ranks per node")
-    train.add_argument("--nnodes", type=int, default=1)
+    train.add_argument(
+        "--overwrite", action="store_true", help="a fresh run may delete another run's checkpoints in its run directory"
+    )
+    train.add_argument("--nproc", type=_count(1), default=2, help="ranks per node")
+    train.add_argument("--nnodes", type=_count(1), default=1)
     train.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
     train.add_argument("--rdzv-id", default="tessera")
-    train.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails")
+    train.add_argument("--max-restarts", type=_count(0), default=0, help="torchrun restarts after a rank fails")
     train.add_argument("--emulate", help="a cluster file whose devices the local ranks play (slowed, memory-checked)")
     plan = sub.add_parser("plan", help="plan a model on a cluster, or check a Plan file")
     plan.add_argument("--model", help="a training config (its model:, data.seq_len and plan.precision are read)")
     plan.add_argument("--cluster", help="a cluster file (tessera cluster detect writes one)")
-    plan.add_argument("--global-batch", type=int, help="samples per optimizer step")
-    plan.add_argument("--top", type=int, default=5, help="how many plans to list")
+    plan.add_argument("--global-batch", type=_count(1), help="samples per optimizer step")
+    plan.add_argument("--top", type=_count(1), default=5, help="how many plans to list")
     plan.add_argument("--out", default="plan.yaml", help="where to write the best Plan")
     plan.add_argument("--png", default="plan.png", help="where to draw devices by stage and the simulated timeline")
     plan_sub = plan.add_subparsers(dest="plan_command")
     check = plan_sub.add_parser("check", help="validate a Plan file")
     check.add_argument("file")
-    check.add_argument("--world-size", type=int, required=True)
+    check.add_argument("--world-size", type=_count(1), required=True)
     cluster = sub.add_parser("cluster", help="describe clusters: detect this machine, check a cluster file")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     detect = cluster_sub.add_parser("detect", help="write a cluster file for this machine")
     detect.add_argument("--out", help="file to write (default: print it)")
     detect.add_argument("--name", help="node name (default: the host name)")
+    detect.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     cluster_check = cluster_sub.add_parser("check", help="validate a cluster file and list its devices")
     cluster_check.add_argument("file")
     export = sub.add_parser("export", help="write a checkpoint's full model as safetensors / Hugging Face")
     export.add_argument("checkpoint")
     export.add_argument("--out", help="a .safetensors file to write")
     export.add_argument("--hf-dir", help="a directory for save_pretrained (Hugging Face models)")
+    export.add_argument("--force", action="store_true", help="overwrite an existing --out file or --hf-dir")
     args = ap.parse_args(argv)
     try:
         if args.command == "export":
@@ -223,13 +230,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")
-            if args.emulate:  # read by every rank's Booster (tessera.cluster.emulate)
-                os.environ["TESSERA_EMULATE"] = str(Path(args.emulate).resolve())
             return _train(args)
         return _plan_check(args) if args.plan_command == "check" else _plan(args)
-    except (ValueError, FileNotFoundError) as exc:  # PlanError, ConfigError, CheckpointError are ValueErrors
+    except KeyboardInterrupt:
+        print("tessera: error: interrupted.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ValueError, FileNotFoundError) as exc:  # PlanError, ConfigError, CheckpointError, InputError
         print(f"tessera: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # the machine refused a read or write the checks could not foresee
+        print(f"tessera: error: {exc.strerror or exc}: '{exc.filename}'.", file=sys.stderr)
+        return EXIT_RUNTIME_FAULT
+    except Exception as exc:  # a bug: one paragraph, and the traceback for the report
+        print(
+            f"tessera: error: internal error {type(exc).__name__}: {exc} (TESSERA_DEBUG=1 shows the traceback).",
+            file=sys.stderr,
+        )
+        if os.environ.get("TESSERA_DEBUG"):
+            traceback.print_exc()
+        return EXIT_RUNTIME_FAULT
 
 
 if __name__ == "__main__":

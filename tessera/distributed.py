@@ -99,7 +99,36 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(pick_device("cuda"))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent already serves the store
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = _bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _bound_store(addr: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's key-value store, its server listening on ``addr`` only.
+
+    torch's TCPStore server listens on every interface, and the store is unauthenticated: rank 0
+    binds the socket itself to the address the other ranks dial (loopback for one-machine runs,
+    where ``tessera train`` sets MASTER_ADDR=127.0.0.1) and hands it to the store.
+    """
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout=timeout)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.create_server(sockaddr, family=family, backlog=max(128, world))
+    except OSError as exc:
+        raise PlanError(
+            f"rank 0 cannot listen on MASTER_ADDR={addr} port {port} ({exc.strerror or exc}): give this machine's "
+            "address (or 127.0.0.1 on one machine) and a free port."
+        ) from None
+    # The store owns the listening socket from here on (detach: Python must not close it).
+    return dist.TCPStore(
+        addr, sock.getsockname()[1], world, True, timeout=timeout, master_listen_fd=sock.detach(), use_libuv=True
+    )
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

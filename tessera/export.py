@@ -17,6 +17,34 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from tessera.checkpoint import CheckpointError
+from tessera.inputs import InputError, check_output_dir, check_output_file
+
+
+def check_export_targets(checkpoint: str | Path, out: str | None, hf_dir: str | None, force: bool) -> None:
+    """Refuse before reading anything: a target inside the checkpoint (never, even with ``force``), an
+    existing file or non-empty directory (without ``force``), a path that is a directory, under a file,
+    or not writable."""
+    source = Path(checkpoint).resolve()
+    if not (source / "meta.json").is_file():
+        raise CheckpointError(f"'{checkpoint}' is not a complete Tessera checkpoint (no meta.json).")
+    for target, flag in ((out, "--out"), (hf_dir, "--hf-dir")):
+        if target is None:
+            continue
+        resolved = Path(target).resolve()
+        if resolved == source or source in resolved.parents:
+            raise InputError(
+                f"{flag} '{target}' lies inside the checkpoint being exported ('{checkpoint}'): write it elsewhere; "
+                "a checkpoint is never modified."
+            )
+    if out is not None:
+        check_output_file(out, "--out", force)
+    if hf_dir is not None:
+        path = check_output_dir(hf_dir, "--hf-dir")
+        if path.is_dir() and any(path.iterdir()) and not force:
+            raise InputError(
+                f"--hf-dir '{hf_dir}' exists and is not empty: choose another directory, or pass --force to write "
+                "over its files."
+            )
 
 
 def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:

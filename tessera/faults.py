@@ -1,8 +1,10 @@
 """Fault injection for tests, read from one environment variable in one place.
 
 ``TESSERA_FAULT`` takes one of:
-    RANK:STEP                  that rank exits just before training step STEP
+    RANK:STEP                  that rank exits just before training step STEP (no report: a crash)
     hang:RANK:STEP:SECONDS     that rank stalls SECONDS before step STEP
+    stop:RANK:STEP             that rank stops itself (SIGSTOP) before step STEP, as a frozen process would
+    raise:RANK:STEP            that rank raises a RuntimeError before step STEP (an unexpected error)
     save:STEP                  every rank exits midway through saving the step-STEP checkpoint
 Faults fire on the first attempt only, so a torchrun restart runs clean.
 """
@@ -10,6 +12,7 @@ Faults fire on the first attempt only, so a torchrun restart runs clean.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch.distributed as dist
@@ -22,12 +25,16 @@ def _spec() -> str:
 
 
 def before_step(step: int) -> None:
-    """Kill or stall this rank before ``step`` when TESSERA_FAULT asks for it."""
+    """Kill, stall, stop or fail this rank before ``step`` when TESSERA_FAULT asks for it."""
     spec, rank = _spec(), dist.get_rank()
     if spec == f"{rank}:{step}":
         os._exit(13)
     if spec.startswith(f"hang:{rank}:{step}:"):
         time.sleep(float(spec.split(":")[3]))
+    if spec == f"stop:{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if spec == f"raise:{rank}:{step}":
+        raise RuntimeError(f"injected fault (TESSERA_FAULT={spec})")
 
 
 def during_save(step: int) -> None:

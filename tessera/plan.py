@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import NotSupportedYet, PlanError, nearest
+from tessera.inputs import InputError, load_yaml, read_text, shown
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = (
@@ -294,6 +295,20 @@ class Plan:
                     f"Plan.dp_shares has {len(self.dp_shares)} entries but Plan.dp={self.dp}: "
                     "give one share per data-parallel rank."
                 )
+        if self.placement is not None and (
+            not isinstance(self.placement, tuple)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.placement)
+        ):
+            raise PlanError(
+                f"Plan.placement must be a list of cluster device indices (0, 1, ...), one per rank, "
+                f"got {shown(self.placement)}."
+            )
+        if self.rank_devices is not None and (
+            not isinstance(self.rank_devices, tuple) or not all(isinstance(d, str) for d in self.rank_devices)
+        ):
+            raise PlanError(
+                f"Plan.rank_devices must be a list of device names, one per rank, got {shown(self.rank_devices)}."
+            )
         if self.replicas is not None:  # before the grid checks below, whose advice would not apply
             self._check_replicas()
         stages = self.pipeline.stages
@@ -478,9 +493,7 @@ class Plan:
 
     @classmethod
     def from_yaml(cls, text: str) -> Plan:
-        import yaml
-
-        return cls.from_dict(_parse(yaml.safe_load, yaml.YAMLError, "YAML", text))
+        return cls.from_dict(_parse(lambda t: load_yaml(t, "Plan YAML"), InputError, "YAML", text))
 
     def save(self, path: str | Path) -> None:
         """Write the Plan as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
@@ -490,11 +503,13 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        if not path.is_file():
-            raise PlanError(f"Plan file {str(path)!r} does not exist.")
-        text = path.read_text()
-        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        """Read a Plan file (YAML, or JSON for other suffixes); every mistake names the file."""
+        try:
+            text = read_text(path, "Plan file")
+            return cls.from_yaml(text) if Path(path).suffix in (".yaml", ".yml") else cls.from_json(text)
+        except (InputError, PlanError) as exc:
+            message = str(exc)
+            raise PlanError(message if str(path) in message else f"Plan file '{path}': {message}") from None
 
 
 def _replicas_from(value: Any) -> tuple[Replica, ...]:
@@ -517,8 +532,10 @@ def _replicas_from(value: Any) -> tuple[Replica, ...]:
 def _parse(load: Any, error: type[Exception], fmt: str, text: str) -> Any:
     try:
         return load(text)
+    except RecursionError:
+        raise PlanError(f"Plan {fmt} nests too deeply to be a Plan.") from None
     except error as exc:
-        raise PlanError(f"Plan {fmt} is malformed: {exc}") from None
+        raise PlanError(f"Plan {fmt} is malformed: {str(exc)[:300]}") from None
 
 
 def _from_dict(cls: type, data: Any, prefix: str) -> Any:

@@ -48,4 +48,4 @@ def test_hung_rank_fails_the_others_with_group_and_step(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as info:
         run_ranks(train_worker, 2, config, "hang:1:3:15", timeout_s=60, collective_timeout_s=4)
     message = str(info.value)
-    assert "CollectiveTimeout: step 3" in message and "group 'dp'" in message, message
+    assert "CollectiveTimeout: a collective of step 3" in message and "group 'dp'" in message, message

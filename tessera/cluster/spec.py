@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any
 
 from tessera.cluster.catalog import CATALOG, DeviceType, lookup
 from tessera.errors import nearest
+from tessera.inputs import InputError, load_yaml_file, shown
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -41,6 +43,9 @@ DTYPES = ("fp32", "bf16", "fp16")
 # The share of a device's memory a plan may fill: allocator fragmentation and the runtime's own
 # buffers (CUDA context, workspace) take the rest. The planner and the emulator both use it.
 USABLE_MEMORY = 0.9
+# Bounds that keep a typo (count: 80000000) from making the planner search forever.
+MAX_DEVICES_PER_NODE = 1024
+MAX_NODES = 65_536
 
 
 class ClusterError(ValueError):
@@ -136,17 +141,11 @@ class Cluster:
     # ------------------------------------------------------------- file format
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise ClusterError(
-                f"cluster file {str(path)!r} does not exist (write one, or run: tessera cluster detect)."
-            )
+        """Read and validate a cluster file (write one with ``tessera cluster detect``)."""
         try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ClusterError(f"cluster file {str(path)!r} is not valid YAML: {exc}") from None
+            data = load_yaml_file(path, "cluster file")
+        except InputError as exc:
+            raise ClusterError(str(exc)) from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -155,7 +154,12 @@ class Cluster:
         if not isinstance(data, dict):
             raise ClusterError(f"{source}: expected a mapping with 'nodes', got {type(data).__name__}.")
         _known_keys(data, ("nodes", "device_types", "links"), source)
-        types = {name: _device_type(name, spec, source) for name, spec in (data.get("device_types") or {}).items()}
+        raw_types = data.get("device_types") or {}
+        if not isinstance(raw_types, dict):
+            raise ClusterError(
+                f"{source}: device_types must be a mapping of type name to figures, got {shown(raw_types)}."
+            )
+        types = {str(name): _device_type(str(name), spec, source) for name, spec in raw_types.items()}
         nodes = _nodes(data.get("nodes"), types, source)
         links, pairs = _links(data.get("links") or {}, {n.name for n in nodes}, source)
         return cls(tuple(nodes), types, links, pairs)
@@ -199,9 +203,15 @@ def _known_keys(data: dict, allowed: tuple[str, ...], where: str) -> None:
 
 
 def _positive(value: Any, where: str, allow_zero: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
     if not ok:
-        raise ClusterError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}.")
+        kind = "non-negative" if allow_zero else "positive"
+        raise ClusterError(f"{where} must be a finite {kind} number, got {shown(value)}.")
     return float(value)
 
 
@@ -228,6 +238,8 @@ def _device_type(name: str, spec: Any, source: str) -> DeviceType:
 def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
     if not isinstance(raw, list) or not raw:
         raise ClusterError(f"{source}: 'nodes' must be a non-empty list of nodes (name, devices).")
+    if len(raw) > MAX_NODES:
+        raise ClusterError(f"{source}: {len(raw)} nodes; a cluster file describes at most {MAX_NODES}.")
     nodes: list[Node] = []
     for i, spec in enumerate(raw):
         where = f"{source}: nodes[{i}]"
@@ -255,8 +267,10 @@ def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
                 f"it: add device_types.{dtype}: {{peak_tflops: {{bf16: ...}}, memory_gib: ..., bandwidth_gbs: ...}}, "
                 f"or use one of {', '.join(CATALOG)}."
             )
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ClusterError(f"{where}.devices[0].count must be a positive integer, got {count!r}.")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES_PER_NODE:
+            raise ClusterError(
+                f"{where}.devices[0].count must be a whole number from 1 to {MAX_DEVICES_PER_NODE}, got {shown(count)}."
+            )
         region = spec.get("region", "default")
         if not isinstance(region, str) or not region:
             raise ClusterError(f"{where}.region must be a non-empty string, got {region!r}.")
@@ -283,10 +297,13 @@ def _links(raw: Any, names: set[str], source: str) -> tuple[dict[str, Link], dic
         if kind in raw:
             links[kind] = _link(raw[kind], f"{where}.{kind}")
     pairs: dict[frozenset[str], Link] = {}
-    for i, spec in enumerate(raw.get("between") or []):
+    between = raw.get("between") or []
+    if not isinstance(between, list):
+        raise ClusterError(f"{where}.between must be a list of {{nodes: [a, b], bandwidth_gbs, latency_us}}.")
+    for i, spec in enumerate(between):
         here = f"{where}.between[{i}]"
         ends = spec.get("nodes") if isinstance(spec, dict) else None
-        if not isinstance(ends, list) or len(ends) != 2:
+        if not isinstance(ends, list) or len(ends) != 2 or not all(isinstance(e, str) for e in ends):
             raise ClusterError(f"{here}.nodes must name two nodes, e.g. [a, b].")
         for end in ends:
             if end not in names:

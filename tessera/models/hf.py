@@ -77,7 +77,16 @@ def from_config_file(path: str) -> nn.Module:
     _require_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    from tessera.inputs import InputError
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        return AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' ways of refusing a config
+        reason = " ".join(str(exc).split())[:300]
+        raise InputError(
+            f"model.hf_config '{path}' is not a config transformers can build a causal LM from: {reason}"
+        ) from None
 
 
 def qwen2(n_layer: int, hidden: int, n_head: int, n_kv_head: int, ffn: int, vocab_size: int, seq_len: int) -> nn.Module:

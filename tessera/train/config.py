@@ -10,20 +10,40 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from tessera.errors import PlanError, nearest
+from tessera.inputs import InputError, load_yaml, load_yaml_file, shown
 
 
 class ConfigError(ValueError):
     """The training config is invalid; the message names the key and the fix."""
 
 
+def _list_to_tuple(value: Any) -> Any:
+    """YAML has lists, not tuples: a list given for a pair is taken as the pair (strict mode would refuse it)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+Pair = Annotated[tuple[int, int], BeforeValidator(_list_to_tuple)]
+FloatPair = Annotated[tuple[float, float], BeforeValidator(_list_to_tuple)]
+
+# Sizes a config may ask for. They bound what a typo (an extra zero, 2**40) can make a rank try to
+# allocate; the memory estimate before launch checks the product against this machine.
+MAX_DIM = 1 << 16
+MAX_LAYERS = 1024
+MAX_SEQ = 1 << 20
+MAX_BATCH = 1 << 24
+MAX_STEPS = 1 << 40
+MAX_SEED = (1 << 63) - 1  # torch.manual_seed takes a signed 64-bit seed
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective may wait a week at most (timedelta needs a finite number)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no bool for an int, no "5" for a number; allow_inf_nan: every float is finite.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -33,11 +53,11 @@ class ModelConfig(_Section):
 
     kind: Literal["llama", "hf_gpt2", "hf_llama", "hf_config"] = "llama"
     hf_config: str | None = None
-    dim: int = Field(128, gt=0)
-    n_layers: int = Field(4, gt=0)
-    n_heads: int = Field(4, gt=0)
-    n_kv_heads: int = Field(2, gt=0)
-    ffn_dim: int = Field(384, gt=0)
+    dim: int = Field(128, gt=0, le=MAX_DIM)
+    n_layers: int = Field(4, gt=0, le=MAX_LAYERS)
+    n_heads: int = Field(4, gt=0, le=MAX_DIM)
+    n_kv_heads: int = Field(2, gt=0, le=MAX_DIM)
+    ffn_dim: int = Field(384, gt=0, le=4 * MAX_DIM)
     tie_embeddings: bool = False
 
     @model_validator(mode="after")
@@ -45,7 +65,9 @@ class ModelConfig(_Section):
         if (self.kind == "hf_config") != (self.hf_config is not None):
             raise ValueError("model.hf_config (a path to a Hugging Face config.json) goes with model.kind: hf_config")
         if self.hf_config is not None and not Path(self.hf_config).exists():
-            raise ValueError(f"model.hf_config='{self.hf_config}' does not exist: give a config.json or its folder")
+            raise ValueError(
+                f"model.hf_config={shown(self.hf_config)} does not exist: give a config.json or its folder"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -57,23 +79,29 @@ class DataConfig(_Section):
     """Text files by path or glob; empty means the Python standard library's own source files."""
 
     paths: list[str] = Field(default_factory=list)
-    seq_len: int = Field(128, gt=0)
-    max_bytes: int = Field(4_000_000, gt=0, description="read at most this many bytes of text")
+    seq_len: int = Field(128, gt=0, le=MAX_SEQ)
+    max_bytes: int = Field(4_000_000, gt=0, le=1 << 34, description="read at most this many bytes of text")
 
 
 class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd", "lamb", "lars"] = "adamw"
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: FloatPair = (0.9, 0.95)
     momentum: float = Field(0.9, ge=0, lt=1)
     trust_coefficient: float = Field(0.001, gt=0, description="LARS η")
     grad_clip: float | None = Field(1.0, gt=0)
 
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimizerConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas={list(self.betas)}: each must be in [0, 1), e.g. [0.9, 0.95]")
+        return self
+
 
 class ScheduleConfig(_Section):
     kind: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
@@ -82,35 +110,39 @@ class PlanConfig(_Section):
 
     preset: Literal["ddp", "zero"] = "zero"
     zero: int = Field(2, ge=0, le=3)
-    tp: int = Field(1, gt=0, description="tensor-parallel degree (composes with dp under any ZeRO stage)")
-    sp: int = Field(1, gt=0, description="sequence-parallel degree: Ulysses ranks, or tp for split_gather")
+    tp: int = Field(1, gt=0, le=MAX_DIM, description="tensor-parallel degree (composes with dp under any ZeRO stage)")
+    sp: int = Field(1, gt=0, le=MAX_DIM, description="sequence-parallel degree: Ulysses ranks, or tp for split_gather")
     sp_mode: Literal["all_to_all", "split_gather"] = "all_to_all"
     loss_parallel: bool = Field(False, description="with tp: cross-entropy on vocabulary shards, logits never gathered")
-    pp: int = Field(1, gt=0, description="pipeline-parallel degree (stages run by torch's schedules)")
-    microbatches: int = Field(1, gt=0, description="micro-batches per step: pipelined, or accumulated when pp=1")
+    pp: int = Field(1, gt=0, le=MAX_LAYERS, description="pipeline-parallel degree (stages run by torch's schedules)")
+    microbatches: int = Field(
+        1, gt=0, le=MAX_BATCH, description="micro-batches per step: pipelined, or accumulated when pp=1"
+    )
     schedule: Literal[
         "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
     ] = "1f1b"
-    stages: list[tuple[int, int]] | None = Field(
+    stages: list[Pair] | None = Field(
         None, description="layer range [first, end) of each pipeline stage; uneven is fine (default: even split)"
     )
     offload: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    dp_shares: list[int] | None = None
+    dp_shares: list[Annotated[int, Field(gt=0, le=MAX_BATCH)]] | None = None
     file: str | None = None
 
 
 class TrainConfig(_Section):
-    steps: int = Field(150, gt=0)
+    steps: int = Field(150, gt=0, le=MAX_STEPS)
     stop_at: int | None = Field(
-        None, gt=0, description="stop (and checkpoint) after this step; the schedule still spans `steps`"
+        None, gt=0, le=MAX_STEPS, description="stop (and checkpoint) after this step; the schedule still spans `steps`"
     )
-    global_batch_size: int = Field(16, gt=0)
-    seed: int = 0
+    global_batch_size: int = Field(16, gt=0, le=MAX_BATCH)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     log_every: int = Field(10, gt=0)
-    sample_bytes: int = Field(120, ge=0, description="bytes of text to generate at the end (0: none)")
-    timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails the run")
+    sample_bytes: int = Field(120, ge=0, le=1 << 20, description="bytes of text to generate at the end (0: none)")
+    timeout_s: float = Field(
+        600.0, gt=0, le=MAX_TIMEOUT_S, description="a collective waiting longer than this fails the run"
+    )
     peak_tflops: float | dict[str, float] | None = Field(
         None,
         description="declared dense peak TFLOP/s for MFU: one number for every device, or a map from "
@@ -128,7 +160,7 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
-    keep: int = Field(2, gt=0)
+    keep: int = Field(2, gt=0, le=1 << 20)
     resume: Literal["auto", "never"] = "auto"
 
 
@@ -175,7 +207,7 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         elif err["type"] == "value_error":  # our own checks already name the key
             lines.append(str(err["msg"]).removeprefix("Value error, "))
         elif key:
-            lines.append(f"'{key}': {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"'{key}': {err['msg']} (got {shown(err.get('input'))})")
         else:
             lines.append(err["msg"])
     return ConfigError(f"{source} is invalid: " + "; ".join(lines) + ".")
@@ -186,12 +218,17 @@ def _set(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"--set {override!r} must look like section.key=value (e.g. optimizer.lr=3e-4).")
     path, raw = override.split("=", 1)
     keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"--set {shown(override)}: '{path}' is not a key like section.key (e.g. optimizer.lr).")
     node = data
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {override!r}: '{k}' is not a section.")
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            raise ConfigError(f"--set {shown(override)}: '{k}' is not a section.")
+    try:
+        node[keys[-1]] = load_yaml(raw, f"--set {path}=...") if raw.strip() else None
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_config(data: Any, overrides: list[str] | None = None, source: str = "the config") -> Config:
@@ -212,13 +249,10 @@ def parse_config(data: Any, overrides: list[str] | None = None, source: str = "t
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read and validate a YAML config file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist.")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+        data = load_yaml_file(path, "config file")
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
     return parse_config(data, overrides, source=f"config '{path}'")
 
 

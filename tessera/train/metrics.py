@@ -72,23 +72,24 @@ class MetricsLog:
     """Appends one JSON object per logged step to ``metrics.jsonl``; mirrors to TensorBoard if asked and present."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
-        """A fresh run starts a new file; a resumed one keeps the records up to ``resume_step``
-        (later ones came from steps the restart will redo)."""
+        """The file is only ever appended to, so a crash can never lose records already written. A resumed
+        run first appends ``{"event": "resumed", "step": resume_step}``: records after that step, from
+        steps the restart redoes, are superseded by the later records of the same step (readers such as
+        :func:`latest_records` keep the last record of each step)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        kept = []
-        if resume_step is not None and self.path.is_file():
-            kept = [
-                line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= resume_step
-            ]
-        self.file = self.path.open("w")
-        self.file.writelines(line + "\n" for line in kept)
+        self.file = self.path.open("a")
+        if resume_step is not None:
+            self.file.write(json.dumps({"time": time.time(), "event": "resumed", "step": resume_step}) + "\n")
+            self.file.flush()
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                # purge_step: TensorBoard drops events past the resumed step, as the restart redoes them
+                purge = resume_step + 1 if resume_step is not None else None
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
             except ImportError:  # tensorboard not installed: JSONL only
                 self.tb = None
 
@@ -107,6 +108,20 @@ class MetricsLog:
             self.tb.close()
 
 
+def latest_records(metrics_path: Path) -> list[dict[str, Any]]:
+    """The step records of ``metrics.jsonl`` in step order, the last one written for each step
+    (a resumed run redoes steps after its checkpoint); event lines and a torn last line are skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in metrics_path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if isinstance(record, dict) and "event" not in record and isinstance(record.get("step"), int):
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def plot_loss(metrics_path: Path, out_png: Path, title: str) -> None:
     """Draw loss against step from ``metrics.jsonl``."""
     import matplotlib
@@ -114,12 +129,8 @@ def plot_loss(metrics_path: Path, out_png: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, losses = [], []
-    for line in metrics_path.read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            steps.append(record["step"])
-            losses.append(record["loss"])
+    records = [r for r in latest_records(metrics_path) if "loss" in r]
+    steps, losses = [r["step"] for r in records], [r["loss"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, losses, color="tab:blue")
     ax.set_xlabel("step")

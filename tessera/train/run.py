@@ -1,8 +1,9 @@
 """Entry point of one training rank: ``python -m tessera.train.run CONFIG [--set k=v ...]``.
 
-``tessera train`` launches this under torchrun; it can also be launched by
-torchrun or SLURM directly. Bad input ends the rank with one line
-``tessera: error: ...`` on stderr and exit code 2, never a traceback.
+``tessera train`` launches this under torchrun; it can also be launched by torchrun or SLURM
+directly. However the rank ends, it says so through :mod:`tessera.train.failures`: one
+``tessera: error: rank R, step S: ...`` line on stderr, a report for the launcher, and an exit
+code (2 bad input, 3 collective timeout, 4 runtime fault), never a bare traceback.
 """
 
 from __future__ import annotations
@@ -10,26 +11,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+from tessera.train.failures import EXIT_OK, Reporter
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tessera.train.run")
     ap.add_argument("config")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--overwrite", action="store_true", help="a fresh run may replace another run's files")
     args = ap.parse_args(argv)
-    from tessera.train.config import load_config
-    from tessera.train.trainer import CollectiveTimeout, train
-
+    reporter = Reporter()
+    reporter.started()
+    trainer = None
     try:
-        train(load_config(args.config, args.overrides))
-    except USER_ERRORS as exc:  # ConfigError, PlanError, CheckpointError are ValueErrors
-        print(f"tessera: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except CollectiveTimeout as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr, flush=True)
-        return 3
-    return 0
+        from tessera.train.config import load_config
+        from tessera.train.trainer import Trainer
+
+        trainer = Trainer(load_config(args.config, args.overrides), overwrite=args.overwrite)
+        trainer.run()
+    except BaseException as exc:  # noqa: BLE001 - every way a rank ends is reported
+        return reporter.failed(exc, trainer.where() if trainer is not None else "set-up")
+    reporter.finished()
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
 from tessera.parallel.data import unwrap as data_parallel_unwrap
+from tessera.train import rundir
 from tessera.train.config import Config, plan_from_config
+from tessera.train.failures import CollectiveTimeout
 from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
 
 
@@ -91,10 +93,6 @@ def logits_of(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete in time: a peer died, hung or never arrived."""
-
-
 def next_token_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_of(output).float().flatten(0, 1), targets.flatten())
 
@@ -132,7 +130,7 @@ def train_step(
         else:
             where = f"the ranks of Plan.replicas (0-{dist.get_world_size() - 1})"
         raise CollectiveTimeout(
-            f"step {step}: a collective on {where} did not complete "
+            f"a collective of step {step} on {where} did not complete "
             f"within train.timeout_s={timeout_s:g} s on rank {dist.get_rank()}: another rank died, hung or never "
             "arrived. Check that rank's log; restart with --resume to continue from the last checkpoint."
         ) from None
@@ -167,8 +165,11 @@ def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: 
 class Trainer:
     """One training run: set-up from the config, then ``run()``; each method does one job."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, overwrite: bool = False) -> None:
+        """``overwrite``: a fresh run (``checkpoint.resume: never``) may delete another run's files in its
+        run directory instead of refusing to start (see :mod:`tessera.train.rundir`)."""
         self.cfg = cfg
+        self.step, self.saving = 0, False
         tessera.init(timeout_s=cfg.train.timeout_s)
         torch.manual_seed(cfg.train.seed)
         self.booster = tessera.Booster(plan_from_config(cfg.plan))
@@ -183,14 +184,15 @@ class Trainer:
         self.loader = self.booster.dataloader(dataset, cfg.train.global_batch_size, seed=cfg.train.seed)
         self.ckpt_root = cfg.run_dir / "checkpoints"
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
-        self.resumed_from = self._restore() if cfg.checkpoint.resume == "auto" else None
+        self.owner = rundir.claim(cfg.run_dir, cfg.checkpoint.resume, overwrite)
+        self.resumed_from = self._restore() if self.owner.resume else None
         self.job_peak = job_peak_tflops(cfg.train.peak_tflops, self.booster.device)  # may refuse: no file yet
         self.flops_per_token = self._flops_per_token()
         self.losses: list[float] = []
 
     def _restore(self) -> Path | None:
         """Continue from the newest complete checkpoint, if there is one."""
-        path = latest_checkpoint(self.ckpt_root)
+        path = latest_checkpoint(self.ckpt_root, self.owner.run_id)
         if path is None:
             return None
         state = load_checkpoint(path, self.model, self.optimizer)
@@ -208,6 +210,10 @@ class Trainer:
         dim = getattr(hf_cfg, "hidden_size", self.cfg.model.dim)
         return transformer_flops_per_token(self.n_params, n_layers, dim, self.cfg.data.seq_len)
 
+    def where(self) -> str:
+        """Where training is, for error reports: the step being trained or saved."""
+        return f"saving the step-{self.step} checkpoint" if self.saving else f"step {self.step + 1}"
+
     def checkpoint(self) -> None:
         trainer_state = {
             "step": self.step,
@@ -216,10 +222,16 @@ class Trainer:
             "scheduler": self.schedule.state_dict(),
             "scaler": self.booster.scaler.state_dict() if self.booster.scaler else None,
         }
-        meta = {"plan": self.booster.plan.to_dict(), "config": self.cfg.model_dump(mode="json")}
+        meta = {
+            "run_id": self.owner.run_id,
+            "plan": self.booster.plan.to_dict(),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        self.saving = True
         save_checkpoint(
             self.ckpt_root, self.step, self.model, self.optimizer, trainer_state, self.cfg.checkpoint.keep, meta
         )
+        self.saving = False
 
     def run(self) -> dict[str, Any]:
         """Train to ``train.steps`` (or ``stop_at``), checkpoint, report; return a summary on every rank."""

@@ -1,0 +1,81 @@
+"""Everything ``tessera train`` checks before any process starts or any file is written.
+
+A mistake found here costs the user a second, not a launch: the config and its plan, the batch
+split, the corpus, the model (built on the meta device: a Hugging Face config that does not
+parse is caught here), a memory estimate against this machine, the output directory, the run
+directory's owner, and the cluster file of ``--emulate``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tessera.errors import PlanError
+from tessera.inputs import check_output_dir
+from tessera.train.config import Config, ConfigError, load_config, plan_from_config
+
+# Bytes per parameter a rank holds besides the weights it builds: fp32 gradients and Adam's two moments.
+STATE_BYTES_PER_PARAM = 12
+
+
+def available_memory_bytes() -> int | None:
+    """This machine's available memory (Linux MemAvailable), or None when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(cfg: Config, plan, nproc: int) -> None:
+    """Refuse a model whose estimated state cannot fit on this machine, before any rank allocates it.
+
+    Each local rank builds the whole model in fp32 before the plan shards it, then keeps its share of
+    gradients and optimizer state (divided over tp × pp, and over dp under ZeRO): a lower bound, since
+    activations come on top.
+    """
+    import torch
+
+    from tessera.train.trainer import build_model
+
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = build_model(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    shards = plan.tp * plan.pp * (plan.dp if plan.zero >= 1 else 1)
+    per_rank = 4 * n_params + STATE_BYTES_PER_PARAM * n_params / shards
+    need, have = nproc * per_rank, available_memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"the model has {n_params / 1e6:,.1f}M parameters (model.dim={cfg.model.dim}, "
+            f"n_layers={cfg.model.n_layers}, ffn_dim={cfg.model.ffn_dim}): each of the {nproc} ranks on this "
+            f"machine builds it whole and keeps its share of gradients and optimizer state, at least "
+            f"{need / 2**30:,.1f} GiB in all, but only {have / 2**30:,.1f} GiB is available. Lower the model "
+            "sizes, launch fewer ranks per machine, or shard more (plan.zero=3, plan.tp, plan.pp)."
+        )
+
+
+def check_training(config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool) -> Config:
+    """Validate a ``tessera train`` invocation; return its config. Raises a ValueError naming the fix."""
+    from tessera.data.sharding import split_batch
+    from tessera.data.text import check_corpus_size, resolve_paths
+
+    cfg = load_config(config, overrides)
+    world = nproc * nnodes
+    try:
+        plan = plan_from_config(cfg.plan).resolve(world)
+        split_batch(cfg.train.global_batch_size, plan.shares())
+    except PlanError as exc:
+        raise ConfigError(f"plan (for {world} ranks): {exc}") from None
+    check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only: ranks read
+    check_memory(cfg, plan, nproc)
+    check_output_dir(cfg.logging.out_dir, "logging.out_dir")
+    if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
+        raise ConfigError(f"the run directory '{cfg.run_dir}' is a file: choose another logging.run_name.")
+    if cfg.checkpoint.resume == "never" and not overwrite and "TESSERA_RUN_ID" not in os.environ:
+        from tessera.train.rundir import refuse_if_taken
+
+        refuse_if_taken(cfg.run_dir)
+    return cfg
