@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tessera train examples/demo.yaml --nproc 2
+	$(VENV)/bin/tessera train examples/demo.yaml --nproc 2 --overwrite
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=10

@@ -192,8 +192,8 @@ def save_checkpoint(
         previous = latest_checkpoint(root, meta.get("run_id"))
         kept = f"the last complete checkpoint, '{previous}', is intact" if previous else "no earlier checkpoint exists"
         raise RuntimeFault(
-            f"the disk is full while saving the step-{step} checkpoint under '{root}' (the partial save was removed; "
-            f"{kept}): free space, then continue with --resume."
+            f"the disk is full (the partial step-{step} checkpoint under '{root}' was removed; {kept}): "
+            "free space, then continue with --resume."
         ) from None
     dist.barrier()
     if rank == 0:

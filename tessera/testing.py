@@ -40,6 +40,7 @@ def _rank_entry(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
     )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: nothing listens beyond loopback
     if torch.cuda.device_count() < world:
         os.environ["TESSERA_DEVICE"] = "cpu"  # NCCL needs a GPU per rank: fall back to CPU/gloo
     torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription

@@ -173,3 +173,40 @@ def test_every_plan_field_of_the_config_reaches_the_plan() -> None:
     assert got == {k: section[k] for k in got}
     assert plan.pipeline.microbatches == 4 and plan.pipeline.schedule == "gpipe"
     assert plan.pipeline.stages == ((0, 1), (1, 2))
+
+
+class _RunsCode:
+    """Unpickling this calls ``pathlib.Path.touch(marker)``: proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(trained_run: Path, tmp_path: Path) -> None:
+    """A crafted trainer.pt (a pickle whose loading runs code) is refused on --resume; the code never runs."""
+    import shutil
+
+    import torch
+
+    runs = tmp_path / "runs"
+    shutil.copytree(trained_run.parent / "runs", runs)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(with_change("logging.out_dir", str(runs))))
+    marker = tmp_path / "code-ran"
+    newest = sorted((runs / "bad" / "checkpoints").iterdir())[-1]
+    torch.save({"step": _RunsCode(marker)}, newest / "trainer.pt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "train", str(config), "--nproc", "2", "--resume", "--set=train.steps=3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tessera: error:") and "Traceback" not in proc.stderr, proc.stderr
+    assert "not plain data" in proc.stderr and "trainer.pt" in proc.stderr, proc.stderr
+    assert not marker.exists(), "loading the checkpoint ran the planted code"
+    torch.load(newest / "trainer.pt", weights_only=False)  # the planted file does run code when unpickled
+    assert marker.exists()

@@ -42,3 +42,30 @@ def test_hf_export_of_a_non_hf_model_is_refused(tmp_path: Path) -> None:
     run_ranks(train_worker, 2, tiny_config(tmp_path, steps=1, every=0, plan={"preset": "ddp"}))
     with pytest.raises(CheckpointError, match="model.kind='llama'"):
         export_hf(ckpt(tmp_path, 1), tmp_path / "hf")
+
+
+def test_export_never_overwrites_silently_nor_writes_into_the_checkpoint(
+    gpt2_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    from tessera.cli import main
+
+    def export(*argv: str) -> tuple[int, str]:
+        code = main(["export", str(gpt2_checkpoint), *argv])
+        return code, capsys.readouterr().err
+
+    existing = tmp_path / "model.safetensors"
+    existing.write_bytes(b"precious")
+    code, err = export("--out", str(existing))
+    assert code == 2 and "already exists" in err and "--force" in err, err
+    assert existing.read_bytes() == b"precious"
+    inside = gpt2_checkpoint / "model.safetensors"
+    for argv in (["--out", str(inside)], ["--out", str(inside), "--force"], ["--hf-dir", str(gpt2_checkpoint / "hf")]):
+        code, err = export(*argv)
+        assert code == 2 and "inside the checkpoint" in err, err
+    assert not inside.exists() and not (gpt2_checkpoint / "hf").exists()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    code, err = export("--hf-dir", str(tmp_path / "hf"))
+    assert code == 2 and "not empty" in err, err
+    code, err = export("--out", str(existing), "--force")
+    assert code == 0 and load_file(str(existing)).keys() == load_full_model_state(gpt2_checkpoint).keys(), err

@@ -73,9 +73,8 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
         """The file is only ever appended to, so a crash can never lose records already written. A resumed
-        run first appends ``{"event": "resumed", "step": resume_step}``: records after that step, from
-        steps the restart redoes, are superseded by the later records of the same step (readers such as
-        :func:`latest_records` keep the last record of each step)."""
+        run first appends ``{"event": "resumed", "step": resume_step}``: earlier records after that step
+        came from steps the restart redoes, and readers (:func:`latest_records`) drop them."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.file = self.path.open("a")
@@ -109,15 +108,20 @@ class MetricsLog:
 
 
 def latest_records(metrics_path: Path) -> list[dict[str, Any]]:
-    """The step records of ``metrics.jsonl`` in step order, the last one written for each step
-    (a resumed run redoes steps after its checkpoint); event lines and a torn last line are skipped."""
+    """The step records of ``metrics.jsonl`` in step order, as the run finally took them: a resumed run
+    redoes the steps after its checkpoint, so records past a ``resumed`` event's step that came before
+    it are dropped. A torn last line (a crash mid-write) is skipped."""
     by_step: dict[int, dict[str, Any]] = {}
     for line in metrics_path.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:  # a line cut short by a crash
             continue
-        if isinstance(record, dict) and "event" not in record and isinstance(record.get("step"), int):
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if record.get("event") == "resumed":  # steps after the checkpoint are redone: forget the first try
+            by_step = {s: r for s, r in by_step.items() if s <= record["step"]}
+        elif "event" not in record:
             by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
 

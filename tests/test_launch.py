@@ -1,0 +1,75 @@
+"""The launcher's safety: nothing listens beyond loopback on one machine, and the root cause of a failed
+job is the failing rank's own report, not the timeouts it caused in the others."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tessera.testing import run_ranks
+from tessera.train.failures import EXIT_BAD_INPUT, EXIT_COLLECTIVE_TIMEOUT, EXIT_RUNTIME_FAULT, RankReport
+from tessera.train.launch import Launch, _environment, _root_cause, _torchrun_command
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses of the TCP sockets this process listens on (from /proc, matched by inode)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address = fields[1].split(":")[0]
+                found.append(
+                    ".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(address) == 8 else address
+                )
+    return found
+
+
+def listening_after_a_collective() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return _listening_addresses()
+
+
+def test_store_and_gloo_listen_on_loopback_only() -> None:
+    """rank 0's store (torch's own server would listen on every interface) and gloo's pair sockets."""
+    per_rank = run_ranks(listening_after_a_collective, 2)
+    assert per_rank[0], "rank 0 should be listening (the store)"
+    for rank, addresses in enumerate(per_rank):
+        assert addresses and all(a == "127.0.0.1" for a in addresses), f"rank {rank} listens on {addresses}"
+
+
+def test_one_machine_launch_has_no_network_rendezvous(tmp_path: Path) -> None:
+    job = Launch(["config.yaml"], tmp_path / "run", nproc=2)
+    cmd, env = _torchrun_command(job, tmp_path), _environment(job, tmp_path)
+    assert "--standalone" not in cmd and "--rdzv-conf=store_type=file" in cmd and "--local-addr=127.0.0.1" in cmd
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["TESSERA_RUN_ID"]
+    several = Launch(["config.yaml"], tmp_path / "run", nproc=2, nnodes=2, rdzv_endpoint="10.0.0.1:29400")
+    assert "--rdzv-endpoint=10.0.0.1:29400" in _torchrun_command(several, tmp_path)
+    # several machines: the interfaces are the user's to choose (nothing is forced to loopback)
+    assert _environment(several, tmp_path).get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def _report(rank: int, code: int, t: float, attempt: int = 0) -> RankReport:
+    return RankReport(rank, attempt, code, f"rank {rank} says {code}", "Traceback ...", t)
+
+
+def test_the_root_cause_is_a_real_error_before_the_timeouts_it_caused() -> None:
+    timeout0 = _report(0, EXIT_COLLECTIVE_TIMEOUT, 1.0)
+    oom1 = _report(1, EXIT_RUNTIME_FAULT, 2.0)
+    assert _root_cause([timeout0, oom1]) is oom1
+    assert _root_cause([timeout0, _report(1, EXIT_COLLECTIVE_TIMEOUT, 2.0)]) is timeout0
+    older = _report(1, EXIT_BAD_INPUT, 0.5, attempt=0)
+    assert _root_cause([older, _report(0, EXIT_COLLECTIVE_TIMEOUT, 3.0, attempt=1)]).attempt == 1
+    assert _root_cause([]) is None
