@@ -104,3 +104,23 @@ def test_metrics_are_appended_and_a_resumed_run_crashing_early_loses_nothing(tmp
         f.write('{"step": 5, "lo')  # a line torn by a crash
     records = latest_records(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 8.0), (3, 0.5)]  # old step 4: redone later
+
+
+def save_three_beside_a_foreign_checkpoint(root: str) -> list[str]:
+    import torch
+
+    from tessera.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (10, 20, 30):
+        save_checkpoint(root, step, model, optimizer, {"step": step}, keep=2, meta={"run_id": "new"})
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+def test_saving_prunes_only_this_runs_checkpoints(tmp_path: Path) -> None:
+    from tessera.testing import run_ranks
+
+    fake_checkpoint(tmp_path, 900, "old")
+    (names,) = run_ranks(save_three_beside_a_foreign_checkpoint, 1, str(tmp_path / "checkpoints"))
+    assert names == ["step_00000020", "step_00000030", "step_00000900"]
