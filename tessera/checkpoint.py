@@ -14,8 +14,9 @@ Layout of one checkpoint directory::
         rng_rank{r}.pt             each rank's RNG states (restored when the world size matches)
         meta.json                  step, world size, run id, plan — written last: marks the checkpoint complete
 
-Checkpoints hold only data: every file is read with ``weights_only=True`` (tensors, numbers,
-strings and containers), so a crafted file cannot run code on ``--resume``; it is refused.
+Checkpoints hold only data: every file is read through :mod:`tessera.checkpoint_readers` (tensors,
+numbers, strings, containers and DCP's metadata records), so a crafted file cannot run code on
+``--resume``; it is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,12 +43,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera import faults
+from tessera.checkpoint_readers import CheckpointError, DataOnlyLoadPlanner, DataOnlyReader, read_data, refusal_inside
 from tessera.data.sharding import map_tensors
 from tessera.parallel.zero1 import ShardedOptimizer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupted, or belongs to another model."""
 
 
 def _dir_name(step: int) -> str:
@@ -81,18 +78,6 @@ def run_checkpoints(root: str | Path, run_id: str | None) -> list[Path]:
 def latest_checkpoint(root: str | Path, run_id: str | None = None) -> Path | None:
     done = run_checkpoints(root, run_id)
     return done[-1] if done else None
-
-
-def read_data(path: Path) -> object:
-    """A ``torch.save`` file that may hold only data; anything that would run code is refused."""
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "not plain data"
-        raise CheckpointError(
-            f"'{path}' holds objects that are not plain data ({reason}); Tessera checkpoints hold only tensors, "
-            "numbers and strings, so this file was crafted or written by another program: refused, nothing loaded."
-        ) from None
 
 
 # --------------------------------------------------------------------------- state dicts
@@ -228,7 +213,9 @@ def _rng_state() -> dict[str, Any]:
 def _check_same_model(path: Path, expected: dict[str, Any]) -> None:
     """Refuse a checkpoint whose parameter names or shapes differ: list every mismatch."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = DataOnlyReader(str(path)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:  # unreadable or truncated metadata
         raise CheckpointError(
             f"checkpoint '{path}' is corrupted or unreadable ({type(exc).__name__}: {exc})."
@@ -274,13 +261,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
     layout = _state_dicts(model, optimizer)
     _check_same_model(path, layout["model"])
+    trainer_state = read_data(path / "trainer.pt")  # small and checked first: an unsafe file stops everything
     state = _to_storable(layout)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-        trainer_state = read_data(path / "trainer.pt")
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        dcp.load(state, storage_reader=DataOnlyReader(str(path)), planner=DataOnlyLoadPlanner())
+    except (Exception, CheckpointException) as exc:
+        if (refused := refusal_inside(exc)) is not None:
+            raise refused from None  # DCP's CheckpointException is a BaseException
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint '{path}' could not be read: it is corrupted or incomplete ({reason})."
@@ -293,9 +280,15 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         inner.load_full_state_dict(state["optim"], _param_names(model))
     else:
         set_optimizer_state_dict(model, inner, state["optim"])
-    meta = json.loads((path / "meta.json").read_text())
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        same_world = meta["world_size"] == dist.get_world_size()
+    except (ValueError, KeyError, TypeError, OSError):
+        raise CheckpointError(
+            f"'{path / 'meta.json'}' is corrupted: it does not say the checkpoint's world size."
+        ) from None
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
-    if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
+    if same_world and rng_file.is_file():
         rng = read_data(rng_file)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():

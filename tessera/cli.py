@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nnodes", type=_count(1), default=1)
     train.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
     train.add_argument("--rdzv-id", default="tessera")
+    train.add_argument(
+        "--local-addr",
+        default="",
+        help="several machines: this node's address the ranks listen on (one machine: 127.0.0.1)",
+    )
     train.add_argument("--max-restarts", type=_count(0), default=0, help="torchrun restarts after a rank fails")
     train.add_argument("--emulate", help="a cluster file whose devices the local ranks play (slowed, memory-checked)")
     plan = sub.add_parser("plan", help="plan a model on a cluster, or check a Plan file")

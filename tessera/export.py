@@ -11,12 +11,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from tessera.checkpoint import CheckpointError
+from tessera.checkpoint_readers import CheckpointError, DataOnlyFullLoadPlanner, DataOnlyReader, refusal_inside
 from tessera.inputs import InputError, check_output_dir, check_output_file
 
 
@@ -52,17 +50,20 @@ def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
+    DataOnlyReader(str(path)).read_metadata()  # checked here first: DCP would fold a refusal into its own error
     state: dict = {}
     try:
         # dcp.load() only fills keys the caller already has; the loader beneath it (what torch's own
         # dcp_to_torch_save uses) lets the planner build the state from the checkpoint's metadata.
         _load_state_dict(
             state,
-            storage_reader=dcp.FileSystemReader(str(path)),
-            planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+            storage_reader=DataOnlyReader(str(path)),
+            planner=DataOnlyFullLoadPlanner(keys={"model"}),
             no_dist=True,
         )
     except (Exception, CheckpointException) as exc:
+        if (refused := refusal_inside(exc)) is not None:
+            raise refused from None
         raise CheckpointError(f"checkpoint '{path}' could not be read ({type(exc).__name__}).") from None
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
 

@@ -210,3 +210,45 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained_run: Path, tmp_path
     assert not marker.exists(), "loading the checkpoint ran the planted code"
     torch.load(newest / "trainer.pt", weights_only=False)  # the planted file does run code when unpickled
     assert marker.exists()
+
+
+def test_crafted_dcp_metadata_is_refused(trained_run: Path, tmp_path: Path) -> None:
+    """torch's DCP reads .metadata with plain pickle: ours builds only metadata records."""
+    import pickle
+    import shutil
+
+    from tessera.checkpoint import CheckpointError
+    from tessera.export import load_full_model_state
+
+    newest = sorted((trained_run.parent / "runs" / "bad" / "checkpoints").iterdir())[-1]
+    crafted = tmp_path / newest.name
+    shutil.copytree(newest, crafted)
+    marker = tmp_path / "code-ran"
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(CheckpointError, match="not plain data"):
+        load_full_model_state(crafted)
+    assert not marker.exists()
+
+
+def test_crafted_state_entry_is_refused(tmp_path: Path) -> None:
+    """Non-tensor state entries (DCP's default planner: torch.load(weights_only=False)) are read as data."""
+    import io
+    from types import SimpleNamespace
+
+    import torch
+
+    from tessera.checkpoint import CheckpointError
+    from tessera.checkpoint_readers import DataOnlyLoadPlanner
+
+    planner = DataOnlyLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups"))
+    plain, crafted = io.BytesIO(), io.BytesIO()
+    torch.save([{"lr": 0.1, "params": ["w"]}], plain)
+    marker = tmp_path / "code-ran"
+    torch.save(_RunsCode(marker), crafted)
+    planner.load_bytes(item, io.BytesIO(plain.getvalue()))
+    assert planner.state_dict["optim.param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    with pytest.raises(CheckpointError, match="not plain data"):
+        planner.load_bytes(item, io.BytesIO(crafted.getvalue()))
+    assert not marker.exists()

@@ -10,7 +10,7 @@ Exit codes, shared by the ranks and ``tessera train``:
 
     0  finished
     2  bad input: config, plan, cluster file, checkpoint, paths (nothing ran, or it stopped before harm)
-    3  a collective timed out: a peer died, hung or never arrived (see the other ranks' reports)
+    3  a collective failed or timed out: a peer died, hung or never arrived (see the other ranks' reports)
     4  runtime fault: out of memory, disk full, a crashed or killed rank, an internal error
   130  interrupted (Ctrl-C)
 """
@@ -81,6 +81,11 @@ def classify(exc: BaseException) -> tuple[int, str]:
         where = f"'{exc.filename}'" if exc.filename else "a file"
         return EXIT_BAD_INPUT, f"cannot write {where}: {exc.strerror}; choose a writable logging.out_dir."
     text = str(exc)
+    if any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
+        return EXIT_COLLECTIVE_TIMEOUT, (
+            "lost the connection to another rank in a collective: that rank died or was killed (see its report, "
+            "or the log); restart with --resume to continue from the last checkpoint."
+        )
     if isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower():
         return EXIT_RUNTIME_FAULT, (
             f"out of memory ({type(exc).__name__}: {text.strip().splitlines()[0][:200] if text.strip() else ''}): "

@@ -2,7 +2,8 @@
 
 - One machine: the rendezvous goes through a file store in a private folder, and the ranks'
   store and gloo/NCCL sockets bind to loopback (127.0.0.1, ``lo``): nothing listens on the
-  network. Several machines: the rendezvous endpoint and interfaces are the ones the user gives.
+  network. Several machines: the rendezvous endpoint, ``--local-addr`` (the address the ranks'
+  store listens on, see :func:`tessera.distributed.init`) and GLOO/NCCL_SOCKET_IFNAME are the user's.
 - The ranks report how they ended into that folder (:mod:`tessera.train.failures`). When one
   fails, ranks of the same attempt still alive a few seconds later (stopped, hung) are killed,
   instead of torchrun's fixed 30 s wait, so the job ends soon after the first failure.
@@ -49,6 +50,7 @@ class Launch:
     max_restarts: int = 0
     rdzv_endpoint: str = ""
     rdzv_id: str = "tessera"
+    local_addr: str = ""  # several machines: the address this node's ranks listen on (torchrun --local-addr)
 
 
 def _torchrun_command(job: Launch, folder: Path) -> list[str]:
@@ -59,6 +61,7 @@ def _torchrun_command(job: Launch, folder: Path) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={job.rdzv_endpoint}",
             f"--rdzv-id={job.rdzv_id}",
+            *([f"--local-addr={job.local_addr}"] if job.local_addr else []),
         ]
     else:  # one machine: a file-store rendezvous (no listening socket) and loopback for the ranks
         cmd += [
@@ -117,6 +120,7 @@ class Watcher:
         self.folder = folder
         self.failed_at: dict[int, float] = {}  # attempt -> when its first failure was seen
         self.killed: list[tuple[int, int, str]] = []  # (attempt, rank, state) of ranks we ended
+        self.vanished: set[tuple[int, int]] = set()  # (attempt, rank) gone without a report or a clean end
 
     def poll(self) -> None:
         pids = _registered(self.folder)
@@ -124,8 +128,10 @@ class Watcher:
         for (attempt, rank), pid in pids.items():
             done = (self.folder / f"rank{rank}.{attempt}.done").exists()
             reported = (self.folder / f"rank{rank}.{attempt}.json").exists()
-            if not done and not reported and _alive(pid) is None:
-                failed_attempts.add(attempt)  # gone without a word: crashed or killed
+            ours = any(a == attempt and r == rank for a, r, _ in self.killed)
+            if not done and not reported and not ours and _alive(pid) is None:
+                self.vanished.add((attempt, rank))  # gone without a word: crashed or killed
+                failed_attempts.add(attempt)
         now = time.monotonic()
         for attempt in failed_attempts:
             self.failed_at.setdefault(attempt, now)
@@ -133,7 +139,7 @@ class Watcher:
                 continue
             for (a, rank), pid in pids.items():
                 state = _alive(pid) if a == attempt else None
-                if state is not None:
+                if state is not None and (a, rank) not in {(k[0], k[1]) for k in self.killed}:
                     os.kill(pid, signal.SIGKILL)  # works on a stopped process, unlike torchrun's SIGTERM
                     self.killed.append((attempt, rank, "stopped" if state in ("T", "t") else "not ending"))
 
@@ -177,7 +183,16 @@ def _explain(job: Launch, folder: Path, watcher: Watcher, torchrun_log: Path) ->
     reports = read_reports(folder)
     cause = _root_cause(reports)
     log = _write_log(job, folder, reports, torchrun_log)
-    if cause is not None:
+    last = max([r.attempt for r in reports] + [a for a, _ in watcher.vanished], default=0)
+    silent = sorted(rank for a, rank in watcher.vanished if a == last)
+    if silent and (cause is None or cause.code == EXIT_COLLECTIVE_TIMEOUT):  # the silent rank came first
+        code = EXIT_RUNTIME_FAULT
+        message = (
+            f"rank {', '.join(map(str, silent))} ended without reporting an error (killed by a signal, the "
+            "out-of-memory killer, or a crash outside Python)"
+            + (f"; then {cause.message}" if cause is not None else ".")
+        )
+    elif cause is not None:
         code, message = cause.code, cause.message
     else:
         started = sorted({rank for (_, rank) in _registered(folder)})
