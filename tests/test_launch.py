@@ -73,3 +73,32 @@ def test_the_root_cause_is_a_real_error_before_the_timeouts_it_caused() -> None:
     older = _report(1, EXIT_BAD_INPUT, 0.5, attempt=0)
     assert _root_cause([older, _report(0, EXIT_COLLECTIVE_TIMEOUT, 3.0, attempt=1)]).attempt == 1
     assert _root_cause([]) is None
+
+
+def _explained(tmp_path: Path, reports: list[RankReport], vanished: set[tuple[int, int]]) -> tuple[int, str]:
+    import json
+    from dataclasses import asdict
+
+    from tessera.train.launch import Watcher, _explain
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for r in reports:
+        (folder / f"rank{r.rank}.{r.attempt}.json").write_text(json.dumps(asdict(r)))
+    (folder / "torchrun.log").write_text("torchrun output\n")
+    watcher = Watcher(folder)
+    watcher.vanished = vanished
+    return _explain(Launch([], tmp_path / "run", nproc=2), folder, watcher, folder / "torchrun.log")
+
+
+def test_a_rank_that_died_silently_is_the_cause_of_the_lost_connection(tmp_path: Path) -> None:
+    lost = _report(0, EXIT_COLLECTIVE_TIMEOUT, 1.0)
+    lost.peer_lost = True
+    code, message = _explained(tmp_path, [lost], {(0, 1)})
+    assert code == EXIT_RUNTIME_FAULT and message.startswith("rank 1 ended without reporting an error"), message
+    assert (tmp_path / "run" / "logs").is_dir() and "Full tracebacks: " + str(tmp_path / "run" / "logs") in message
+
+
+def test_a_timeout_stays_the_cause_when_the_hung_rank_is_stopped_afterwards(tmp_path: Path) -> None:
+    code, message = _explained(tmp_path, [_report(0, EXIT_COLLECTIVE_TIMEOUT, 1.0)], {(0, 1)})
+    assert code == EXIT_COLLECTIVE_TIMEOUT and message.startswith("rank 0 says 3. Then rank 1 ended"), message

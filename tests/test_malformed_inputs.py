@@ -14,30 +14,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_bad_input import GOOD
+from test_bad_input import with_change as changed
 
 from tessera.cli import main
 
-GOOD = {
-    "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
-    "data": {"seq_len": 32, "max_bytes": 40_000},
-    "train": {"steps": 2, "global_batch_size": 8, "sample_bytes": 0},
-    "checkpoint": {"every": 0},
-    "logging": {"run_name": "bad", "progress": False, "tensorboard": False},
-}
 BOMB = "\n".join(
     ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
     + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
 )  # ~500 bytes that expand to 10^9 values
-
-
-def changed(path: str, value: object) -> dict:
-    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
-    node = cfg
-    *parents, last = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[last] = value
-    return cfg
 
 
 # ----------------------------------------------------------------------------------- configs
@@ -329,6 +314,25 @@ def test_malformed_command_lines(case, argv, needle, tmp_path: Path, capsys) -> 
     _assert_one_paragraph(code, capsys.readouterr().err.strip(), needle)
 
 
+# --------------------------------------------------------------------- models that cannot be built
+def test_a_model_too_large_for_this_machine_is_refused_before_launch(tmp_path: Path, capsys) -> None:
+    """~17.7B parameters: each rank would build 66 GiB before sharding; the estimate refuses it."""
+    big = changed("model.dim", 8192)
+    big["model"].update(n_layers=64, n_heads=64, n_kv_heads=8)
+    code, err, out_dir = _run_train(tmp_path, big, [], capsys)
+    _assert_one_paragraph(code, err, "GiB is available")
+    assert "model.dim=8192" in err and not out_dir.exists()
+
+
+def test_an_hf_config_that_is_not_json_is_refused_before_launch(tmp_path: Path, capsys) -> None:
+    broken = tmp_path / "config.json"
+    broken.write_text('{"model_type": "llama", "hidden_size": 32,')
+    cfg = changed("model.kind", "hf_config")
+    cfg["model"] = {"kind": "hf_config", "hf_config": str(broken)}
+    code, err, _ = _run_train(tmp_path, cfg, [], capsys)
+    _assert_one_paragraph(code, err, f"model.hf_config '{broken}'")
+
+
 # ------------------------------------------------------------------------------------ output paths
 def test_output_paths_that_cannot_be_written(tmp_path: Path, capsys) -> None:
     """logging.out_dir a file or under a file; plan --out a directory; detect --out existing."""
@@ -347,3 +351,17 @@ def test_output_paths_that_cannot_be_written(tmp_path: Path, capsys) -> None:
         code = main([a.replace("{config}", str(config)) for a in argv])
         _assert_one_paragraph(code, capsys.readouterr().err.strip(), needle)
     assert a_file.read_text() == "x"
+
+
+def test_a_read_only_output_directory_is_refused_before_launch(tmp_path: Path, capsys) -> None:
+    """A read-only filesystem (root ignores permission bits, not a read-only mount)."""
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], check=True)
+    try:
+        code, err, _ = _run_train(tmp_path, GOOD, ["--set", f"logging.out_dir={ro}/runs"], capsys)
+        _assert_one_paragraph(code, err, "is not writable")
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)

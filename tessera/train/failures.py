@@ -33,6 +33,7 @@ EXIT_RUNTIME_FAULT = 4
 EXIT_INTERRUPTED = 130
 
 REPORT_DIR_ENV = "TESSERA_REPORT_DIR"
+PEER_LOST = "lost the connection to another rank in a collective"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -53,6 +54,7 @@ class RankReport:
     message: str
     traceback: str
     time: float
+    peer_lost: bool = False  # the error is that another rank's connection closed: that rank died first
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
@@ -82,9 +84,9 @@ def classify(exc: BaseException) -> tuple[int, str]:
         return EXIT_BAD_INPUT, f"cannot write {where}: {exc.strerror}; choose a writable logging.out_dir."
     text = str(exc)
     if any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
-        return EXIT_COLLECTIVE_TIMEOUT, (
-            "lost the connection to another rank in a collective: that rank died or was killed (see its report, "
-            "or the log); restart with --resume to continue from the last checkpoint."
+        return EXIT_COLLECTIVE_TIMEOUT, PEER_LOST + (
+            ": that rank died or was killed (see its report, or the log); restart with --resume to continue "
+            "from the last checkpoint."
         )
     if isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower():
         return EXIT_RUNTIME_FAULT, (
@@ -125,7 +127,7 @@ class Reporter:
         if self.folder is None:
             print(tb, file=sys.stderr)
         else:
-            report = RankReport(self.rank, self.attempt, code, message, tb, time.time())
+            report = RankReport(self.rank, self.attempt, code, message, tb, time.time(), PEER_LOST in message)
             tmp = self._path("json.tmp")
             tmp.write_text(json.dumps(asdict(report)))
             os.replace(tmp, self._path("json"))

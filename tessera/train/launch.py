@@ -113,6 +113,14 @@ def _registered(folder: Path) -> dict[tuple[int, int], int]:
     return out
 
 
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` still runs a training rank (not a process that reused the number)."""
+    try:
+        return b"tessera.train.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 class Watcher:
     """Notices the first failure of each attempt and, after a grace, kills the ranks that did not end."""
 
@@ -124,12 +132,12 @@ class Watcher:
 
     def poll(self) -> None:
         pids = _registered(self.folder)
+        ended = {(attempt, rank) for attempt, rank, _ in self.killed}
         failed_attempts = {r.attempt for r in read_reports(self.folder)}
         for (attempt, rank), pid in pids.items():
             done = (self.folder / f"rank{rank}.{attempt}.done").exists()
             reported = (self.folder / f"rank{rank}.{attempt}.json").exists()
-            ours = any(a == attempt and r == rank for a, r, _ in self.killed)
-            if not done and not reported and not ours and _alive(pid) is None:
+            if not done and not reported and (attempt, rank) not in ended and _alive(pid) is None:
                 self.vanished.add((attempt, rank))  # gone without a word: crashed or killed
                 failed_attempts.add(attempt)
         now = time.monotonic()
@@ -138,10 +146,14 @@ class Watcher:
             if now - self.failed_at[attempt] < KILL_GRACE_S:
                 continue
             for (a, rank), pid in pids.items():
-                state = _alive(pid) if a == attempt else None
-                if state is not None and (a, rank) not in {(k[0], k[1]) for k in self.killed}:
+                state = _alive(pid) if a == attempt and (a, rank) not in ended else None
+                if state is None or not _is_rank(pid):
+                    continue
+                try:
                     os.kill(pid, signal.SIGKILL)  # works on a stopped process, unlike torchrun's SIGTERM
-                    self.killed.append((attempt, rank, "stopped" if state in ("T", "t") else "not ending"))
+                except ProcessLookupError:
+                    continue
+                self.killed.append((attempt, rank, "stopped" if state in ("T", "t") else "not ending"))
 
 
 def _wait(proc: subprocess.Popen, watcher: Watcher) -> int:
@@ -185,15 +197,17 @@ def _explain(job: Launch, folder: Path, watcher: Watcher, torchrun_log: Path) ->
     log = _write_log(job, folder, reports, torchrun_log)
     last = max([r.attempt for r in reports] + [a for a, _ in watcher.vanished], default=0)
     silent = sorted(rank for a, rank in watcher.vanished if a == last)
-    if silent and (cause is None or cause.code == EXIT_COLLECTIVE_TIMEOUT):  # the silent rank came first
+    silent_text = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+    if silent and (cause is None or cause.peer_lost):  # a rank died first, the others lost its connection
         code = EXIT_RUNTIME_FAULT
         message = (
-            f"rank {', '.join(map(str, silent))} ended without reporting an error (killed by a signal, the "
-            "out-of-memory killer, or a crash outside Python)"
-            + (f"; then {cause.message}" if cause is not None else ".")
+            f"{silent_text} ended without reporting an error (killed by a signal, the out-of-memory killer, or a "
+            "crash outside Python)" + (f"; then {cause.message}" if cause is not None else ".")
         )
     elif cause is not None:
         code, message = cause.code, cause.message
+        if silent:  # ended after the cause: torchrun stopped them
+            message = message.rstrip(".") + f". Then {silent_text} ended without a report (stopped by torchrun)."
     else:
         started = sorted({rank for (_, rank) in _registered(folder)})
         tail = [line for line in torchrun_log.read_text(errors="replace").splitlines() if line.strip()][-3:]
