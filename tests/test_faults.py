@@ -2,11 +2,12 @@
 bit-identical to an uninterrupted one (also with ``resume: never``: a restart continues its own run); a
 hung rank makes the others fail with a clear message; a stopped rank ends the job soon after the
 collective timeout, in the failing rank's own words; a full disk while saving is a clear error that
-keeps the last checkpoint, and the run resumes once space is freed."""
+keeps the last checkpoint."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def _mount_tmpfs(path: Path, size: str) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
 
 
-def test_disk_full_while_saving_keeps_the_last_checkpoint_and_resumes_after(tmp_path: Path) -> None:
+def test_disk_full_while_saving_keeps_the_last_checkpoint(tmp_path: Path) -> None:
     """A real full disk: a tmpfs with room for one checkpoint (~0.7 MB) but not two."""
     disk = tmp_path / "disk"
     _mount_tmpfs(disk, "1100k")
@@ -94,14 +95,11 @@ def test_disk_full_while_saving_keeps_the_last_checkpoint_and_resumes_after(tmp_
         proc = _launch(config, tmp_path, "full")
         message = _one_paragraph(proc.stderr)
         assert proc.returncode == 4, message
-        assert "rank 0, saving the step-4 checkpoint: the disk is full" in message, message
+        assert re.search(r"rank [01], saving the step-4 checkpoint: the disk is full", message), message
         assert "step_00000002', is intact" in message, message
         checkpoints = disk / "t" / "checkpoints"
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"], "partial save left behind"
-        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)  # space freed
-        proc = _launch(config, tmp_path, "full", "--resume")
-        assert proc.returncode == 0, proc.stderr
-        assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout, proc.stdout
-        assert (checkpoints / "step_00000004" / "meta.json").is_file()
+        assert (checkpoints / "step_00000002" / "meta.json").is_file()
+        # Resuming once space is freed is measured by benchmarks/faults.py (a second launch costs ~15 s here).
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

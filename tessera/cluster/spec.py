@@ -211,7 +211,7 @@ def _positive(value: Any, where: str, allow_zero: bool = False) -> float:
     )
     if not ok:
         kind = "non-negative" if allow_zero else "positive"
-        raise ClusterError(f"{where} must be a finite {kind} number, got {shown(value)}.")
+        raise ClusterError(f"{where} must be a {kind} number, got {shown(value)} (finite: no .inf or .nan).")
     return float(value)
 
 
@@ -269,7 +269,8 @@ def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
             )
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES_PER_NODE:
             raise ClusterError(
-                f"{where}.devices[0].count must be a whole number from 1 to {MAX_DEVICES_PER_NODE}, got {shown(count)}."
+                f"{where}.devices[0].count must be a positive integer (at most {MAX_DEVICES_PER_NODE}), "
+                f"got {shown(count)}."
             )
         region = spec.get("region", "default")
         if not isinstance(region, str) or not region:
