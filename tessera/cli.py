@@ -134,7 +134,16 @@ def _train(args: argparse.Namespace) -> int:
         from tessera.train.run import main as run_main
 
         return run_main(rank_args)
-    job = Launch(rank_args, cfg.run_dir, args.nproc, args.nnodes, args.max_restarts, args.rdzv_endpoint, args.rdzv_id)
+    job = Launch(
+        rank_args,
+        cfg.run_dir,
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        max_restarts=args.max_restarts,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        local_addr=args.local_addr,
+    )
     return launch(job)
 
 

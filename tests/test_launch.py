@@ -102,3 +102,24 @@ def test_a_rank_that_died_silently_is_the_cause_of_the_lost_connection(tmp_path:
 def test_a_timeout_stays_the_cause_when_the_hung_rank_is_stopped_afterwards(tmp_path: Path) -> None:
     code, message = _explained(tmp_path, [_report(0, EXIT_COLLECTIVE_TIMEOUT, 1.0)], {(0, 1)})
     assert code == EXIT_COLLECTIVE_TIMEOUT and message.startswith("rank 0 says 3. Then rank 1 ended"), message
+
+
+def test_the_command_line_reaches_the_launch(tmp_path: Path, monkeypatch) -> None:
+    """Every torchrun flag of `tessera train` arrives in the Launch (--local-addr was once parsed and dropped)."""
+    import yaml
+    from test_bad_input import GOOD
+
+    import tessera.train.launch as launch_module
+    from tessera.cli import main
+
+    jobs: list[Launch] = []
+    monkeypatch.setattr(launch_module, "launch", lambda job: jobs.append(job) or 0)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**GOOD, "logging": {**GOOD["logging"], "out_dir": str(tmp_path / "runs")}}))
+    argv = ["train", str(config), "--nproc", "2", "--nnodes", "2", "--max-restarts", "1"]
+    argv += ["--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "j7", "--local-addr", "10.0.0.2"]
+    assert main(argv) == 0
+    (job,) = jobs
+    assert (job.nproc, job.nnodes, job.max_restarts) == (2, 2, 1)
+    assert (job.rdzv_endpoint, job.rdzv_id, job.local_addr) == ("10.0.0.1:29400", "j7", "10.0.0.2")
+    assert "--local-addr=10.0.0.2" in _torchrun_command(job, tmp_path)

@@ -74,8 +74,8 @@ def check_training(config: str, overrides: list[str], nproc: int, nnodes: int, o
     check_output_dir(cfg.logging.out_dir, "logging.out_dir")
     if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
         raise ConfigError(f"the run directory '{cfg.run_dir}' is a file: choose another logging.run_name.")
-    if cfg.checkpoint.resume == "never" and not overwrite and "TESSERA_RUN_ID" not in os.environ:
-        from tessera.train.rundir import refuse_if_taken
+    from tessera.train.rundir import RUN_ID_ENV, refuse_if_taken
 
+    if cfg.checkpoint.resume == "never" and not overwrite and RUN_ID_ENV not in os.environ:
         refuse_if_taken(cfg.run_dir)
     return cfg

@@ -169,7 +169,6 @@ class Trainer:
         """``overwrite``: a fresh run (``checkpoint.resume: never``) may delete another run's files in its
         run directory instead of refusing to start (see :mod:`tessera.train.rundir`)."""
         self.cfg = cfg
-        self.step, self.saving = 0, False
         tessera.init(timeout_s=cfg.train.timeout_s)
         torch.manual_seed(cfg.train.seed)
         self.booster = tessera.Booster(plan_from_config(cfg.plan))
@@ -184,6 +183,7 @@ class Trainer:
         self.loader = self.booster.dataloader(dataset, cfg.train.global_batch_size, seed=cfg.train.seed)
         self.ckpt_root = cfg.run_dir / "checkpoints"
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.saving = False  # where() tells a failure inside a save from one inside a step
         self.owner = rundir.claim(cfg.run_dir, cfg.checkpoint.resume, overwrite)
         self.resumed_from = self._restore() if self.owner.resume else None
         self.job_peak = job_peak_tflops(cfg.train.peak_tflops, self.booster.device)  # may refuse: no file yet
