@@ -118,16 +118,33 @@ def _bound_store(addr: str, port: int, rank: int, world: int, timeout: datetime.
     if rank != 0:
         return dist.TCPStore(addr, port, world, False, timeout=timeout)
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.create_server(sockaddr, family=family, backlog=max(128, world))
+        return serve_store_on(addr, port, timeout, world)
     except OSError as exc:
         raise PlanError(
             f"rank 0 cannot listen on MASTER_ADDR={addr} port {port} ({exc.strerror or exc}): give this machine's "
             "address (or 127.0.0.1 on one machine) and a free port."
         ) from None
+
+
+def serve_store_on(
+    addr: str, port: int, timeout: datetime.timedelta, world: int | None = None, multi_tenant: bool = False
+) -> dist.TCPStore:
+    """A TCPStore server whose socket listens on ``addr`` only (torch's own binds every interface).
+
+    Raises OSError when ``addr``/``port`` cannot be bound (not this machine's address, port in use).
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.create_server(sockaddr, family=family, backlog=max(128, world or 0))
     # The store owns the listening socket from here on (detach: Python must not close it).
     return dist.TCPStore(
-        addr, sock.getsockname()[1], world, True, timeout=timeout, master_listen_fd=sock.detach(), use_libuv=True
+        addr,
+        sock.getsockname()[1],
+        world,
+        True,
+        timeout=timeout,
+        multi_tenant=multi_tenant,
+        master_listen_fd=sock.detach(),
+        use_libuv=True,
     )
 
 

@@ -61,6 +61,34 @@ def test_one_machine_launch_has_no_network_rendezvous(tmp_path: Path) -> None:
     assert _environment(several, tmp_path).get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")
 
 
+def _rendezvous_listeners(create_handler, backend: str, endpoint: str) -> list[str]:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    params = RendezvousParameters(backend, endpoint, "listen-test", 1, 1, is_host="true")
+    handler = create_handler(params)
+    try:
+        return _listening_addresses()
+    finally:
+        handler.shutdown()
+
+
+def test_several_machines_rendezvous_store_listens_on_the_endpoint_address_only() -> None:
+    """torchrun's c10d store serves every interface; tessera-c10d binds the endpoint's address.
+
+    127.0.0.2 is a loopback address that is not 127.0.0.1, so a socket bound there is told apart
+    from one bound everywhere (0.0.0.0)."""
+    from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
+
+    from tessera.train.torchrun import bound_c10d_handler
+
+    bound = _rendezvous_listeners(bound_c10d_handler, "tessera-c10d", "127.0.0.2:0")
+    assert bound == ["127.0.0.2"], bound
+    stock = _rendezvous_listeners(_create_c10d_handler, "c10d", "127.0.0.2:0")
+    assert "0.0.0.0" in stock or "00000000000000000000000000000000" in stock, stock  # what torch does
+    several = Launch(["config.yaml"], Path("run"), nproc=2, nnodes=2, rdzv_endpoint="10.0.0.1:29400")
+    assert "--rdzv-backend=tessera-c10d" in _torchrun_command(several, Path("private"))
+
+
 def _report(rank: int, code: int, t: float, attempt: int = 0) -> RankReport:
     return RankReport(rank, attempt, code, f"rank {rank} says {code}", "Traceback ...", t)
 
@@ -123,3 +151,23 @@ def test_the_command_line_reaches_the_launch(tmp_path: Path, monkeypatch) -> Non
     assert (job.nproc, job.nnodes, job.max_restarts) == (2, 2, 1)
     assert (job.rdzv_endpoint, job.rdzv_id, job.local_addr) == ("10.0.0.1:29400", "j7", "10.0.0.2")
     assert "--local-addr=10.0.0.2" in _torchrun_command(job, tmp_path)
+
+
+def test_a_several_machines_launch_trains_through_the_bound_rendezvous(tmp_path: Path) -> None:
+    """torchrun accepts tessera-c10d end to end (it checks the backend's name against the flag's),
+    on a second loopback address standing in for the head node."""
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+    from test_bad_input import GOOD
+
+    with socket.socket() as probe:  # a free port on 127.0.0.2
+        probe.bind(("127.0.0.2", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**GOOD, "logging": {**GOOD["logging"], "out_dir": str(tmp_path / "runs")}}))
+    argv = ["train", str(config), "--nproc", "2", "--rdzv-endpoint", f"127.0.0.2:{port}", "--local-addr", "127.0.0.2"]
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "over steps 1-2" in proc.stdout, proc.stdout + proc.stderr

@@ -33,8 +33,9 @@ from tessera.train.failures import (
     read_reports,
 )
 from tessera.train.rundir import RUN_ID_ENV, new_run_id
+from tessera.train.torchrun import BACKEND as BOUND_RENDEZVOUS
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = [sys.executable, "-m", "tessera.train.torchrun"]  # torchrun, its rendezvous store bound (see there)
 KILL_GRACE_S = 3.0  # after a rank fails, how long the others get to end before they are killed
 POLL_S = 0.25
 
@@ -58,7 +59,7 @@ def _torchrun_command(job: Launch, folder: Path) -> list[str]:
     if job.nnodes > 1 or job.rdzv_endpoint:
         cmd += [
             f"--nnodes={job.nnodes}",
-            "--rdzv-backend=c10d",
+            f"--rdzv-backend={BOUND_RENDEZVOUS}",  # c10d, listening on the endpoint address only
             f"--rdzv-endpoint={job.rdzv_endpoint}",
             f"--rdzv-id={job.rdzv_id}",
             *([f"--local-addr={job.local_addr}"] if job.local_addr else []),
