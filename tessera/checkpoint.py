@@ -43,7 +43,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera import faults
-from tessera.checkpoint_readers import CheckpointError, DataOnlyLoadPlanner, DataOnlyReader, read_data, refusal_inside
+from tessera.checkpoint_readers import (
+    CheckpointError,
+    DataOnlyLoadPlanner,
+    DataOnlyReader,
+    errors_within,
+    read_data,
+    refusal_inside,
+)
 from tessera.data.sharding import map_tensors
 from tessera.parallel.zero1 import ShardedOptimizer
 
@@ -191,15 +198,13 @@ def save_checkpoint(
 
 
 def _disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it wraps: DCP gathers every rank's failure) is a full disk or quota."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(exc)
-    if "No space left on device" in text or "Disk quota exceeded" in text:
-        return True
-    wrapped = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
-    inner = [exc.__cause__, exc.__context__, *wrapped]
-    return any(isinstance(e, BaseException) and e is not exc and _disk_full(e) for e in inner)
+    """Whether ``exc`` or an error it wraps (DCP gathers every rank's failure) is a full disk or quota."""
+    return any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        or "No space left on device" in str(e)
+        or "Disk quota exceeded" in str(e)
+        for e in errors_within(exc)
+    )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -265,9 +270,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     state = _to_storable(layout)
     try:
         dcp.load(state, storage_reader=DataOnlyReader(str(path)), planner=DataOnlyLoadPlanner())
-    except (Exception, CheckpointException) as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         if (refused := refusal_inside(exc)) is not None:
-            raise refused from None  # DCP's CheckpointException is a BaseException
+            raise refused from None
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint '{path}' could not be read: it is corrupted or incomplete ({reason})."

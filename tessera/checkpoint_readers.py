@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,21 +108,28 @@ class DataOnlyFullLoadPlanner(_DataOnlyEntries, _EmptyStateDictLoadPlanner):
     """The planner that builds a state dict from a checkpoint's metadata (export), data only."""
 
 
-def refusal_inside(exc: BaseException | None, depth: int = 0) -> CheckpointError | None:
-    """The CheckpointError that ``exc`` is or wraps, if any: DCP wraps each rank's failure in a
-    ``CheckpointException``, and may raise a second error while handling ours."""
+def errors_within(exc: BaseException | None, depth: int = 0) -> Iterator[BaseException]:
+    """``exc`` and every error it wraps: causes, contexts, and the per-rank failures that DCP
+    gathers into a ``CheckpointException`` (a BaseException, not an Exception)."""
     if exc is None or depth > 8:
-        return None
-    if isinstance(exc, CheckpointError):
-        return exc
-    text = str(exc)
-    if _REFUSED in text:  # DCP sometimes folds the failure into another exception's message
-        start = text.rfind("'", 0, text.find(_REFUSED) - 1)
-        return CheckpointError(text[start : text.find("nothing loaded.") + len("nothing loaded.")])
+        return
+    yield exc
     inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
     for candidate in (*inner, exc.__cause__, exc.__context__):
-        if isinstance(candidate, BaseException) and (found := refusal_inside(candidate, depth + 1)) is not None:
-            return found
+        if isinstance(candidate, BaseException) and candidate is not exc:
+            yield from errors_within(candidate, depth + 1)
+
+
+def refusal_inside(exc: BaseException | None) -> CheckpointError | None:
+    """The CheckpointError that ``exc`` is or wraps, if any (DCP may also raise a second error
+    while handling ours, or fold ours into another error's message)."""
+    for error in errors_within(exc):
+        if isinstance(error, CheckpointError):
+            return error
+        text = str(error)
+        if _REFUSED in text:
+            start = text.rfind("'", 0, text.find(_REFUSED) - 1)
+            return CheckpointError(text[start : text.find("nothing loaded.") + len("nothing loaded.")])
     return None
 
 
