@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from tessera.train.launch import is_rank
+
 LAYOUTS = {
     "zero2": {"preset": "zero", "zero": 2},
     "pp2-1f1b": {"preset": "ddp", "pp": 2, "microbatches": 4, "schedule": "1f1b"},
@@ -40,28 +42,21 @@ def config(out_dir: Path, steps: int, every: int, keep: int, plan: dict) -> dict
 
 def rank_pids() -> list[int]:
     """Processes running a training rank (python -m tessera.train.run), oldest first."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"tessera.train.run" in cmdline and b"torch.distributed.run" not in cmdline:  # a rank, not torchrun
-            found.append(int(proc.name))
-    return sorted(found)
+    return sorted(int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit() and is_rank(int(proc.name)))
 
 
-def sample(pid: int) -> tuple[float, int] | None:
-    """(resident MiB, open file descriptors) of ``pid``, or None if it is gone."""
+def sample(pid: int) -> dict[str, float] | None:
+    """``pid``'s resident memory in MiB (VmRSS, and its anonymous part: heap and tensors, where a
+    leak would show; the rest is mapped files such as library code pages touched for the first
+    time) and open file descriptors, or None if it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith("Rss")}
+        kib["VmRSS"] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
         fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
-    except (OSError, StopIteration):
+    except (OSError, StopIteration, IndexError, ValueError):
         return None
-    return rss_kib / 1024, fds
+    return {"rss_mib": kib["VmRSS"] / 1024, "anon_mib": kib.get("RssAnon", 0) / 1024, "fds": fds}
 
 
 def last_step(metrics: Path) -> int | None:
@@ -117,7 +112,7 @@ def soak(name: str, plan: dict, steps: int, every: int, keep: int, period_s: flo
             for rank, pid in enumerate(rank_pids()):
                 got = sample(pid)
                 if step is not None and got is not None:
-                    samples.append({"rank": rank, "step": step, "rss_mib": got[0], "fds": got[1]})
+                    samples.append({"rank": rank, "step": step, **got})
         _, err = proc.communicate()
         if proc.returncode:
             raise SystemExit(f"{name}: tessera train failed ({proc.returncode}): {err[-2000:]}")
@@ -145,8 +140,10 @@ def soak(name: str, plan: dict, steps: int, every: int, keep: int, period_s: flo
                     "rss_first_mib": mine[0]["rss_mib"],
                     "rss_last_mib": mine[-1]["rss_mib"],
                     "rss_max_mib": max(s["rss_mib"] for s in mine),
-                    "rss_slope_mib_per_1000_steps": 1000
-                    * slope([s["step"] for s in late], [s["rss_mib"] for s in late]),
+                    "rss_slope_mib_per_1000_steps": 1000 * slope(steps_late, [s["rss_mib"] for s in late]),
+                    "anon_first_mib": mine[0]["anon_mib"],
+                    "anon_last_mib": mine[-1]["anon_mib"],
+                    "anon_slope_mib_per_1000_steps": 1000 * slope(steps_late, [s["anon_mib"] for s in late]),
                     "fds_first": mine[0]["fds"],
                     "fds_last": mine[-1]["fds"],
                     "fds_max": max(s["fds"] for s in mine),
@@ -175,7 +172,9 @@ def main() -> None:
             print(
                 f"{r['layout']:>9} {k['rank']:>4} "
                 f"{k['rss_first_mib']:>10.1f}→{k['rss_last_mib']:.1f} ({k['rss_max_mib']:.1f}) "
-                f"{k['rss_slope_mib_per_1000_steps']:>23.2f} {k['fds_first']:>8}→{k['fds_last']:<6} "
+                f"{k['rss_slope_mib_per_1000_steps']:>23.2f} "
+                f"{k['anon_first_mib']:>8.1f}→{k['anon_last_mib']:<7.1f} {k['anon_slope_mib_per_1000_steps']:>10.2f} "
+                f"{k['fds_first']:>8}→{k['fds_last']:<6} "
                 f"{k['fds_slope_per_1000_steps']:>11.2f} "
                 f"{r['disk_peak_mib']:>10.2f}/{r['disk_bound_mib']:<9.2f} {r['wall_s']:>7.0f}"
             )

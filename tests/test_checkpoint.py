@@ -93,78 +93,103 @@ LAYOUTS = {
     "zero3x4": (4, {"preset": "zero", "zero": 3}),
     "shares3-1": (2, {"preset": "zero", "zero": 2, "dp_shares": [3, 1]}),
 }
-
-
-@pytest.fixture(scope="module")
-def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each layout trains 3 steps, checkpointing at 2 and 3."""
-    runs = {}
-    for name, (world, plan) in LAYOUTS.items():
-        runs[name] = tmp_path_factory.mktemp(name)
-        train_ranks(world, runs[name], steps=3, every=1, plan=plan)
-    return runs
-
-
-@pytest.mark.parametrize("source", list(LAYOUTS))
-def test_checkpoint_loads_under_every_other_layout(source: str, saved_runs: dict[str, Path], tmp_path: Path) -> None:
-    """Load the source's step-2 checkpoint under each other layout, train step 3 there: the
-    step-3 model and optimizer state equal the source's own step 3."""
-    want = checkpoint_tensors(ckpt(saved_runs[source], 3), tmp_path)
-    for target, (world, plan) in LAYOUTS.items():
-        if target == source:
-            continue
-        run = tmp_path / f"{source}-to-{target}"
-        (run / "t" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ckpt(saved_runs[source], 2), ckpt(run, 2))
-        summary = train_ranks(world, run, steps=3, every=1, plan=plan)
-        assert summary["resumed_from"].endswith("step_00000002"), target
-        got = checkpoint_tensors(ckpt(run, 3), tmp_path)
-        assert got.keys() == want.keys(), f"{source} -> {target}: {sorted(got.keys() ^ want.keys())}"
-        for k in want:
-            torch.testing.assert_close(
-                got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, t=target: f"{source} -> {t}, {k}: {m}"
-            )
-
-
 MODEL_PARALLEL = {
     "pp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "pp": 2, "microbatches": 2, "schedule": "1f1b"}, "llama"),
     "tp2xdp2-zero1": (4, {"preset": "zero", "zero": 1, "tp": 2}, "llama"),
     # GPT-2's fused q|k|v weight is a strided tp shard, stored gathered over tp (DCP wants one chunk per rank).
     "gpt2-tp2xdp2-zero3": (4, {"preset": "zero", "zero": 3, "tp": 2}, "hf_gpt2"),
 }
+# every run the two resharding tests compare: name -> (world, plan, model kind)
+SOURCES = {
+    **{name: (world, plan, "llama") for name, (world, plan) in LAYOUTS.items()},
+    **MODEL_PARALLEL,
+    "gpt2-ddp2": (2, LAYOUTS["ddp2"][1], "hf_gpt2"),
+}
+# (source, target) pairs: every layout into every other, each model-parallel layout to DDP and back
+PAIRS = [(s, t) for s in LAYOUTS for t in LAYOUTS if s != t]
+for _name, (_, _, _kind) in MODEL_PARALLEL.items():
+    _ddp = "ddp2" if _kind == "llama" else "gpt2-ddp2"
+    PAIRS += [(_name, _ddp), (_ddp, _name)]
+
+
+def train_each(configs: list[dict]) -> list[dict]:
+    """Train one config after another in this process group (one launch for many short runs)."""
+    from tessera.train.trainer import train
+
+    return [train(parse_config(config)) for config in configs]
+
+
+def train_runs_by_world(runs: dict[str, tuple[Path, str]], steps: int) -> dict[str, dict]:
+    """Train ``runs`` (name -> (out_dir, source layout name)), one launch per world size."""
+    summaries = {}
+    for world in sorted({SOURCES[layout][0] for _, layout in runs.values()}):
+        mine = [name for name, (_, layout) in runs.items() if SOURCES[layout][0] == world]
+        configs = [
+            tiny_config(runs[name][0], steps, 1, SOURCES[runs[name][1]][1], kind=SOURCES[runs[name][1]][2])
+            for name in mine
+        ]
+        results = run_ranks(train_each, world, configs, timeout_s=600)[0]
+        summaries.update(zip(mine, results))
+    return summaries
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each source layout trains 3 steps, checkpointing at 1, 2 and 3."""
+    runs = {name: (tmp_path_factory.mktemp(name), name) for name in SOURCES}
+    train_runs_by_world(runs, steps=3)
+    return {name: out for name, (out, _) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(saved_runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
+    """Each pair's target layout loads the source's step-2 checkpoint and trains step 3."""
+    runs = {}
+    for source, target in PAIRS:
+        run = tmp_path_factory.mktemp(f"{source}-to-{target}")
+        (run / "t" / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ckpt(saved_runs[source], 2), ckpt(run, 2))
+        runs[f"{source} -> {target}"] = (run, target)
+    summaries = train_runs_by_world(runs, steps=3)
+    for name, summary in summaries.items():
+        assert summary["resumed_from"] and summary["resumed_from"].endswith("step_00000002"), name
+    return {pair: runs[f"{pair[0]} -> {pair[1]}"][0] for pair in PAIRS}
+
+
+def assert_same_step3(source: str, target: str, saved_runs: dict, resumed_runs: dict, tmp_path: Path) -> None:
+    """The target's step-3 model and optimizer state, continued from the source's step 2, equal the
+    source's own step 3."""
+    want = checkpoint_tensors(ckpt(saved_runs[source], 3), tmp_path)
+    got = checkpoint_tensors(ckpt(resumed_runs[source, target], 3), tmp_path)
+    assert got.keys() == want.keys(), f"{source} -> {target}: {sorted(got.keys() ^ want.keys())}"
+    for k in want:
+        torch.testing.assert_close(
+            got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{source} -> {target}, {k}: {m}"
+        )
+
+
+@pytest.mark.parametrize("source", list(LAYOUTS))
+def test_checkpoint_loads_under_every_other_layout(
+    source: str, saved_runs: dict[str, Path], resumed_runs: dict, tmp_path: Path
+) -> None:
+    """The source's step-2 checkpoint, loaded under each other layout that trains step 3 there,
+    reaches the source's own step-3 model and optimizer state."""
+    assert any(k.endswith("exp_avg_sq") for k in checkpoint_tensors(ckpt(saved_runs[source], 3), tmp_path))
+    for target in LAYOUTS:
+        if target != source:
+            assert_same_step3(source, target, saved_runs, resumed_runs, tmp_path)
 
 
 @pytest.mark.parametrize("layout", list(MODEL_PARALLEL))
 def test_model_parallel_checkpoints_resume_under_ddp_and_back(
-    layout: str, saved_runs: dict[str, Path], tmp_path: Path
+    layout: str, saved_runs: dict[str, Path], resumed_runs: dict, tmp_path: Path
 ) -> None:
     """tessera train under a pipeline or tensor-parallel layout: its step-2 checkpoint continues
     under DDP, and DDP's continues under that layout, each reaching the other's step-3 model
     and optimizer state (ZeRO-1's optimizer state is DTensor-shaped under tp)."""
-    world, plan, kind = MODEL_PARALLEL[layout]
-    ddp_world, ddp_plan = LAYOUTS["ddp2"]
-    source = tmp_path / layout
-    train_ranks(world, source, steps=3, every=1, plan=plan, kind=kind)
-    ddp_source = saved_runs["ddp2"]
-    if kind != "llama":
-        ddp_source = tmp_path / "ddp"
-        train_ranks(ddp_world, ddp_source, steps=3, every=1, plan=ddp_plan, kind=kind)
-    directions = {
-        f"{layout} -> ddp": (source, (ddp_world, ddp_plan)),
-        f"ddp -> {layout}": (ddp_source, (world, plan)),
-    }
-    for name, (src, (n, target_plan)) in directions.items():
-        run = tmp_path / name.replace(" -> ", "-to-")
-        (run / "t" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ckpt(src, 2), ckpt(run, 2))
-        summary = train_ranks(n, run, steps=3, every=1, plan=target_plan, kind=kind)
-        assert summary["resumed_from"].endswith("step_00000002")
-        want, got = checkpoint_tensors(ckpt(src, 3), tmp_path), checkpoint_tensors(ckpt(run, 3), tmp_path)
-        assert got.keys() == want.keys(), f"{name}: {sorted(got.keys() ^ want.keys())}"
-        for k in want:
-            torch.testing.assert_close(
-                got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, name=name: f"{name}, {k}: {m}"
-            )
+    ddp = "ddp2" if MODEL_PARALLEL[layout][2] == "llama" else "gpt2-ddp2"
+    assert_same_step3(layout, ddp, saved_runs, resumed_runs, tmp_path)
+    assert_same_step3(ddp, layout, saved_runs, resumed_runs, tmp_path)
 
 
 def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:

@@ -114,12 +114,16 @@ def _registered(folder: Path) -> dict[tuple[int, int], int]:
     return out
 
 
-def _is_rank(pid: int) -> bool:
-    """Whether ``pid`` still runs a training rank (not a process that reused the number)."""
+def is_rank(pid: int) -> bool:
+    """Whether ``pid`` runs a training rank (``python ... -m tessera.train.run``; not torchrun, whose
+    arguments name it too, nor a process that reused the number)."""
     try:
-        return b"tessera.train.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
+    return any(a == b"-m" and b == b"tessera.train.run" for a, b in zip(args, args[1:])) and not any(
+        a == b"-m" and b in (b"tessera.train.torchrun", b"torch.distributed.run") for a, b in zip(args, args[1:])
+    )
 
 
 class Watcher:
@@ -148,7 +152,7 @@ class Watcher:
                 continue
             for (a, rank), pid in pids.items():
                 state = _alive(pid) if a == attempt and (a, rank) not in ended else None
-                if state is None or not _is_rank(pid):
+                if state is None or not is_rank(pid):
                     continue
                 try:
                     os.kill(pid, signal.SIGKILL)  # works on a stopped process, unlike torchrun's SIGTERM
