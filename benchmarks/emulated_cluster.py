@@ -92,9 +92,11 @@ def train_worker(plan_dict: dict, steps: int) -> dict:
     import torch.distributed as dist
 
     import tessera
+    from tessera.cluster.emulate import hooks_from_environment
 
     torch.set_num_threads(1)
-    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
+    hooks = hooks_from_environment()
+    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict), hooks=hooks)
     model = build_model()
     model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     loader = iter(booster.dataloader(Tokens(), global_batch_size=BATCH, seed=0))
@@ -108,7 +110,7 @@ def train_worker(plan_dict: dict, steps: int) -> dict:
         dist.barrier()
         times.append(time.perf_counter() - t0)
         losses.append(float(booster.reduce_loss(loss)))
-    return {"step_s": statistics.median(times[2:]), "losses": losses, "emulated": booster.emulator.describe()}
+    return {"step_s": statistics.median(times[2:]), "losses": losses, "emulated": hooks.describe() if hooks else None}
 
 
 def links_worker() -> dict:

@@ -165,6 +165,7 @@ def main() -> None:
     results = [soak(n, LAYOUTS[n], args.steps, args.every, args.keep, args.period) for n in args.layouts]
     print(
         f"{'layout':>9} {'rank':>4} {'RSS first→last (max) MiB':>26} {'RSS slope MiB/1k steps':>23} "
+        f"{'anon first→last':>16} {'anon slope':>10} "
         f"{'fds first→last':>15} {'fd slope/1k':>11} {'disk peak/bound MiB':>20} {'wall s':>7}"
     )
     for r in results:

@@ -206,6 +206,17 @@ class Replica:
 
 
 @dataclass(frozen=True)
+class RankCoords:
+    """A rank's place in a Plan: pipeline stage (its stage within its replica under Plan.replicas),
+    data-parallel index (its replica), tensor-parallel and Ulysses sequence-parallel index."""
+
+    pp: int = 0
+    dp: int = 0
+    tp: int = 0
+    sp: int = 0
+
+
+@dataclass(frozen=True)
 class Plan:
     """How one training job is laid out over the ranks of a process group.
 
@@ -438,6 +449,54 @@ class Plan:
         """Whether some rank holds only part of the model (pipeline stages): training goes through
         ``Booster.execute_pipeline``."""
         return self.pp > 1 or (self.replicas is not None and any(r.depth > 1 for r in self.replicas))
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Sizes and names of the device mesh of a resolved grid Plan: ranks are laid out row-major
+        over (pp, dp, tp) or (pp, dp, sp), pp outermost (stages talk point-to-point, the cheapest
+        traffic for slow links), then dp; the ranks of one tp or sp group are neighbours."""
+        if self.dp is None:
+            raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
+        if self.replicas is not None:
+            raise PlanError(
+                "Plan.replicas has no device mesh: its replicas differ in depth, so ranks form no dp × pp grid."
+            )
+        shape, names = [self.dp], ["dp"]
+        if self.tp > 1:
+            shape, names = [self.dp, self.tp], ["dp", "tp"]
+        elif self.ulysses_size > 1:
+            shape, names = [self.dp, self.sp], ["dp", "sp"]
+        if self.pp > 1:
+            shape, names = [self.pp, *shape], ["pp", *names]
+        return tuple(shape), tuple(names)
+
+    def coords(self, rank: int) -> RankCoords:
+        """Where ``rank`` sits in a resolved Plan: its pipeline stage, data-parallel index (its
+        replica under Plan.replicas) and tp / Ulysses sp index (the inverse of :meth:`rank_at`)."""
+        if self.replicas is not None:
+            first = 0
+            for index, replica in enumerate(self.replicas):
+                if rank < first + replica.depth:
+                    return RankCoords(pp=rank - first, dp=index)
+                first += replica.depth
+            raise PlanError(f"rank {rank} is past the {first} ranks of Plan.replicas.")
+        if self.dp is None:
+            raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
+        inner = self.tp * self.ulysses_size
+        return RankCoords(
+            pp=rank // (self.dp * inner),
+            dp=(rank // inner) % self.dp,
+            tp=rank % self.tp,
+            sp=rank % self.ulysses_size,
+        )
+
+    def rank_at(self, coords: RankCoords) -> int:
+        """The global rank at ``coords`` (the inverse of :meth:`coords`)."""
+        if self.replicas is not None:
+            return sum(r.depth for r in self.replicas[: coords.dp]) + coords.pp
+        if self.dp is None:
+            raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
+        inner = self.tp * self.ulysses_size
+        return (coords.pp * self.dp + coords.dp) * inner + coords.tp + coords.sp
 
     def device_of(self, rank: int) -> int:
         """The cluster device (file order) that ``rank`` runs on."""

@@ -14,7 +14,7 @@ from parity import GLOBAL_BATCH_DEFAULT, build_model, check_cases, loss_fn
 
 from tessera import Auto
 from tessera.cluster import Cluster
-from tessera.cluster.emulate import EmulatedOutOfMemory, Emulator
+from tessera.cluster.emulate import EmulatedOutOfMemory, EmulationHooks, Emulator
 from tessera.planner import plan_for
 
 SPEEDS = {
@@ -128,12 +128,13 @@ def _link_worker(cluster_path: str) -> float:
 
     import tessera
 
-    booster = tessera.Booster(tessera.DDP(), emulate=cluster_path)
+    hooks = EmulationHooks(cluster_path)
+    booster = tessera.Booster(tessera.DDP(), hooks=hooks)
     model = build_model("llama:2")
     model, opt = booster.boost(model, torch.optim.AdamW(model.parameters()))
     x = torch.randint(0, 100, (4, 16))
     booster.backward(loss_fn(model(x), x), opt)
-    return booster.emulator.link_s
+    return hooks.emulator.link_s
 
 
 def test_emulated_slow_link_delays_gradient_all_reduce(tmp_path: Path) -> None:
@@ -165,12 +166,13 @@ def _layout_links_worker(cluster_path: str, plans: list[dict]) -> list[float]:
 
     delays = []
     for plan in plans:
-        booster = tessera.Booster(tessera.Plan.from_dict(plan), emulate=cluster_path)
+        hooks = EmulationHooks(cluster_path)
+        booster = tessera.Booster(tessera.Plan.from_dict(plan), hooks=hooks)
         model = build_model("llama:2")
         model, opt = booster.boost(model, torch.optim.AdamW(model.parameters()))
         x = torch.randint(0, 100, (8, 16))
         booster.execute_pipeline((x, x), model, loss_fn, opt)
-        delays.append(booster.emulator.link_s)
+        delays.append(hooks.emulator.link_s)
     return delays
 
 

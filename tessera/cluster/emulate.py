@@ -24,14 +24,14 @@ Everything that ran under emulation says so: :meth:`Emulator.describe` is logged
 and written into benchmark output.
 
 Example:
-    >>> booster = tessera.Booster(plan, emulate="cluster.yaml")
+    >>> booster = tessera.Booster(plan, hooks=EmulationHooks("cluster.yaml"))
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster
+from tessera.plan import Plan
+from tessera.runtime.hooks import Hooks
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -290,3 +292,69 @@ class Emulator:
                 "recompute activations, split the model (Plan.pp/tp), or give this device a smaller part."
             )
         return used
+
+
+class EmulationHooks(Hooks):
+    """The runtime's hook points (:class:`tessera.runtime.Hooks`) played by an :class:`Emulator`:
+    this rank becomes the cluster device the Plan places it on.
+
+    Example:
+        >>> booster = tessera.Booster(plan, hooks=EmulationHooks("cluster.yaml"))
+    """
+
+    def __init__(self, cluster: Cluster | str | Path) -> None:
+        self.cluster = cluster
+        self.emulator: Emulator | None = None
+        self.plan: Plan | None = None
+
+    def bind(self, plan: Plan, rank: int) -> None:
+        self.plan = plan
+        self.emulator = Emulator.from_environment(self.cluster, plan.device_of(rank), plan.precision)
+        self.emulator.recompute_full = plan.recompute == "full"
+
+    def _bound(self) -> tuple[Emulator, Plan]:
+        assert self.emulator is not None and self.plan is not None, "the Booster binds the hooks first"
+        return self.emulator, self.plan
+
+    def _devices(self, ranks: Iterable[int]) -> list[int]:
+        return [self._bound()[1].device_of(r) for r in ranks]
+
+    def describe(self) -> str | None:
+        return self._bound()[0].describe()
+
+    def on_model(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        emulator = self._bound()[0]
+        emulator.slow_down(blocks)
+        emulator.track_activations(model.parameters())
+
+    def on_sharded(self, module: nn.Module, blocks: Sequence[nn.Module], ranks: Sequence[int]) -> None:
+        emulator, plan = self._bound()
+        emulator.slow_sharding(blocks, self._devices(ranks), plan.zero, root=module)
+
+    def on_replicated(self, wrapped: nn.Module, ranks: Sequence[int]) -> None:
+        self._bound()[0].slow_links(wrapped, self._devices(ranks))
+
+    def on_stage(self, stage: nn.Module, previous_rank: int | None, next_rank: int | None) -> None:
+        plan = self._bound()[1]
+        self._bound()[0].slow_transfers(
+            stage,
+            plan.device_of(previous_rank) if previous_rank is not None else None,
+            plan.device_of(next_rank) if next_rank is not None else None,
+        )
+
+    def before_all_reduce(self, ranks: Sequence[int], nbytes: int) -> None:
+        self._bound()[0].delay_all_reduce(self._devices(ranks), nbytes)
+
+    def after_backward(self, model: nn.Module, optimizer: Any | None) -> None:
+        emulator, plan = self._bound()
+        on_host: tuple[str, ...] = ()
+        if plan.offload:  # as the cost model has it: ZeRO-2 keeps parameters, ZeRO-1 gradients too
+            on_host = ("optimizer", "grads", "params")[: plan.zero]
+        emulator.check_memory(model, optimizer, on_host)
+
+
+def hooks_from_environment() -> EmulationHooks | None:
+    """Emulation hooks when ``TESSERA_EMULATE`` names a cluster file (``tessera train --emulate``
+    sets it for every rank), else None. Read by the entry points, never by the runtime."""
+    path = os.environ.get("TESSERA_EMULATE")
+    return EmulationHooks(path) if path else None

@@ -32,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
 
 from tessera.distributed import local
 from tessera.errors import PlanError
-from tessera.models.policies.base import PipelineLayout
+from tessera.parallel.policy import PipelineLayout
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineSpec
 

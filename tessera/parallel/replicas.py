@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.models.policies.base import PipelineLayout
 from tessera.parallel.pipeline import stage_of, sum_flat_
+from tessera.parallel.policy import PipelineLayout
 from tessera.plan import Plan
 
 BUCKET_BYTES = 25 * 2**20  # like DDP's buckets: the flat copy each all-reduce needs stays this small

@@ -16,22 +16,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tessera.models.policies import policy_for
+from tessera.parallel.policy import Policy
 
 
 def apply_tensor_parallel(
     module: nn.Module,
     model: nn.Module,
+    policy: Policy,
     tp_mesh: DeviceMesh,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
 ) -> nn.Module:
     """Shard ``module`` (``model`` itself, or one of its pipeline stages) in place over ``tp_mesh``
-    as the model family's policy says: the styles for the submodules ``module`` holds, then the
+    as ``policy`` (the model family's) says: the styles for the submodules ``module`` holds, then the
     policy's ``after_tp`` repair. ``sequence_parallel``: norms on sequence shards too (Megatron
     split/gather); ``loss_parallel``: logits stay split over the vocabulary. The caller checks
     the sizes first (``Policy.check_tp``), before any group exists."""
-    policy = policy_for(model)
     names = [name for name, _ in module.named_modules()]
     styles = policy.tensor_plan(model, sequence_parallel, loss_parallel)
     parallelize_module(module, tp_mesh, {k: v for k, v in styles.items() if any(fnmatch(n, k) for n in names)})

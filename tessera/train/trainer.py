@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 import tessera
 from tessera import faults
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tessera.cluster.emulate import hooks_from_environment
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
@@ -171,10 +172,11 @@ class Trainer:
         self.cfg = cfg
         tessera.init(timeout_s=cfg.train.timeout_s)
         torch.manual_seed(cfg.train.seed)
-        self.booster = tessera.Booster(plan_from_config(cfg.plan))
+        self.emulation = hooks_from_environment()  # tessera train --emulate CLUSTER
+        self.booster = tessera.Booster(plan_from_config(cfg.plan), hooks=self.emulation)
         self.rank0 = dist.get_rank() == 0
-        if self.booster.emulator is not None:  # every rank says which device it plays: the run is emulated
-            print(f"EMULATED: rank {dist.get_rank()} is {self.booster.emulator.describe()}", flush=True)
+        if self.emulation is not None:  # every rank says which device it plays: the run is emulated
+            print(f"EMULATED: rank {dist.get_rank()} is {self.emulation.describe()}", flush=True)
         dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
         model = build_model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -322,7 +324,7 @@ class Trainer:
             title = (
                 f"{cfg.logging.run_name}: {self.n_params / 1e6:.2f}M params, "
                 f"plan zero={self.booster.plan.zero}, {dist.get_world_size()} ranks"
-                + (" (EMULATED cluster)" if self.booster.emulator is not None else "")
+                + (" (EMULATED cluster)" if self.emulation is not None else "")
             )
             plot_loss(log.path, cfg.run_dir / "loss.png", title)
             if losses:

@@ -11,26 +11,40 @@ from __future__ import annotations
 from torch import nn
 
 from tessera.errors import PlanError
-from tessera.models.policies.base import Policy
 from tessera.models.policies.gpt2 import GPT2
 from tessera.models.policies.hf_llama import HF_LLAMA
 from tessera.models.policies.llama import LLAMA
+from tessera.parallel.policy import Policy
 
 POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA, GPT2)
+
+
+def find_policy(model: nn.Module) -> Policy | None:
+    """The policy for ``model``'s family, or None (data parallelism and ZeRO need none)."""
+    return next((policy for policy in POLICIES if policy.matches(model)), None)
 
 
 def policy_for(model: nn.Module, feature: str = "tensor parallelism") -> Policy:
     """The policy for ``model``'s family, or a PlanError naming the families that have one.
 
     ``feature`` (what needs the policy) goes into the error, with the Plan field to reset."""
-    for policy in POLICIES:
-        if policy.matches(model):
-            return policy
+    policy = find_policy(model)
+    if policy is not None:
+        return policy
+    raise missing_policy(model, feature)
+
+
+def missing_policy(model: nn.Module, feature: str) -> PlanError:
+    """The error for a ``feature`` that needs a policy ``model``'s family does not have."""
     names = ", ".join(p.name for p in POLICIES)
-    raise PlanError(
+    return PlanError(
         f"{feature} has no policy for {type(model).__name__}: policies exist for {names}. "
-        f"Use Plan.{'pp' if 'pipeline' in feature else 'tp'}=1 (data parallelism and ZeRO work for any model)."
+        f"Use Plan.{_field(feature)}=1 (data parallelism and ZeRO work for any model)."
     )
 
 
-__all__ = ["POLICIES", "Policy", "policy_for"]
+def _field(feature: str) -> str:
+    return "pp" if "pipeline" in feature else "sp" if "sequence" in feature else "tp"
+
+
+__all__ = ["POLICIES", "Policy", "find_policy", "missing_policy", "policy_for"]

@@ -21,8 +21,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from tessera.models.policies.base import PipelineLayout, Policy
 from tessera.parallel.conv1d import Conv1DParallel
+from tessera.parallel.policy import PipelineLayout, Policy
 
 
 def _is_gpt2(model: nn.Module) -> bool:

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tessera.errors import PlanError
-from tessera.models.policies.base import PipelineLayout, Policy
+from tessera.parallel.policy import PipelineLayout, Policy
 
 
 def _is_hf_llama(model: nn.Module) -> bool:

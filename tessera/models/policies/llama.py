@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from tessera.models.policies.base import PipelineLayout, Policy
+from tessera.parallel.policy import PipelineLayout, Policy
 
 
 def _is_llama(model: nn.Module) -> bool:

@@ -1,4 +1,6 @@
-"""The shape of a policy: a matcher, a size check, a tensor-parallel plan and a pipeline layout."""
+"""The shape of a model policy, as the parallel code consumes it: a matcher, a size check, a
+tensor-parallel plan and a pipeline layout. The policies themselves (one per model family) live in
+:mod:`tessera.models.policies`; this package never imports them: the runtime hands one over."""
 
 from __future__ import annotations
 

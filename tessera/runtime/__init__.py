@@ -1,0 +1,18 @@
+"""The runtime: what applies a resolved Plan to a model.
+
+- :mod:`.parallelize`: one path for a module, the whole model or a pipeline stage alike
+  (tensor parallel → recompute → data parallel / ZeRO).
+- :mod:`.engine`: the protocol the Booster drives, and the per-step context.
+- :mod:`.flat`, :mod:`.pipelined`, :mod:`.replicated`: the engines.
+- :mod:`.hooks`: neutral hook points (emulation listens there), :mod:`.meshes`: the device meshes.
+"""
+
+from tessera.runtime.engine import Context, Engine
+from tessera.runtime.flat import FlatEngine
+from tessera.runtime.hooks import Hooks
+from tessera.runtime.meshes import Meshes
+from tessera.runtime.parallelize import parallelize
+from tessera.runtime.pipelined import PipelineEngine
+from tessera.runtime.replicated import ReplicasEngine
+
+__all__ = ["Context", "Engine", "FlatEngine", "Hooks", "Meshes", "PipelineEngine", "ReplicasEngine", "parallelize"]

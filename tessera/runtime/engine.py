@@ -1,0 +1,121 @@
+"""What every engine shares: the protocol the Booster drives, and the per-step context.
+
+An engine owns one way of running a Plan: the whole model per rank (:mod:`.flat`), a grid of
+pipeline stages (:mod:`.pipelined`), or replicas of different depth (:mod:`.replicated`). The
+Booster resolves the Plan, picks the engine and delegates; a new kind of layout (an outer
+synchronisation across regions, expert parallelism) is a new engine, not a new branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from tessera import distributed
+from tessera.parallel import data as data_parallel
+from tessera.parallel.pipeline import check_microbatches
+from tessera.parallel.policy import Policy
+from tessera.plan import Plan
+from tessera.precision import DynamicLossScaler
+from tessera.runtime.hooks import Hooks
+from tessera.runtime.meshes import Meshes
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Context:
+    """One rank's view of the job, shared by the Booster and its engine."""
+
+    plan: Plan  # resolved
+    rank: int
+    device: torch.device
+    meshes: Meshes
+    hooks: Hooks
+    policy: Policy | None  # the model family's, looked up once (None: no family matched)
+    missing_policy: Callable[[str], Exception]  # the error for a feature that needs a policy
+    scaler: DynamicLossScaler | None
+    loss_weight: float  # this rank's share of the global batch, relative to an even split
+    model: nn.Module | None = None
+    optimizer: Any | None = None
+
+    def require_policy(self, feature: str) -> Policy:
+        if self.policy is None:
+            raise self.missing_policy(feature)
+        return self.policy
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager[None]:
+        return loss_parallel() if self.plan.loss_parallel else contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the rank's share weighting and fp16 loss scaling."""
+        if self.loss_weight != 1.0:
+            loss = loss * self.loss_weight
+        if self.scaler is not None:
+            loss = self.scaler.scale_loss(loss)
+        with self.loss_parallel():
+            loss.backward()
+        self.after_backward()
+
+    def after_backward(self) -> None:
+        if self.model is not None:
+            self.hooks.after_backward(self.model, self.optimizer)
+
+
+class Engine:
+    """The protocol: lay the model out, run a batch's forward and backward, and name the groups
+    that the gradient norm, the loss and the state are gathered over."""
+
+    #: ``Booster.backward`` may be used (False when gradients need the engine's own step)
+    plain_backward = True
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def wrap(self, model: nn.Module, names: list[list[str]]) -> nn.Module:
+        """This rank's part of ``model``, laid out; ``names``: every name of each parameter, in model order."""
+        raise NotImplementedError
+
+    def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of this rank's batch over the Plan's micro-batches; the mean loss."""
+        raise NotImplementedError
+
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The group that averages gradients (ZeRO-1 shards the optimizer state over it)."""
+        return self.ctx.meshes.grad.get_group()
+
+    def norm_groups(self) -> tuple[tuple[Any, ...], Collection[int]]:
+        """Groups whose partial gradient norms add up, and ids of parameters another rank counts."""
+        return (), set()
+
+    def reduce_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of each rank's weighted loss ``value`` over the global batch."""
+        grad = self.ctx.meshes.grad
+        value /= grad.size()
+        dist.all_reduce(value, group=grad.get_group())
+        return value
+
+    def state_group(self) -> dist.ProcessGroup | None:
+        """The ranks over which this rank's part of the model is spread (None: it holds all of it)."""
+        return None
+
+
+def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+    """Micro-batches as gradient accumulation (no pipeline): synchronise on the last one only."""
+    n = ctx.plan.pipeline.microbatches
+    check_microbatches(inputs.shape[0], n)
+    total = torch.zeros((), device=inputs.device)
+    for i, (x, y) in enumerate(zip(inputs.chunk(n), target.chunk(n))):
+        with data_parallel.no_sync(model) if i < n - 1 else contextlib.nullcontext():
+            with ctx.loss_parallel():
+                loss = loss_fn(model(x), y)
+            ctx.backward(loss / n)
+        total += distributed.local(loss.detach()).float()
+    return total / n

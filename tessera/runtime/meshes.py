@@ -1,0 +1,43 @@
+"""The device meshes of a grid Plan: (pp, dp, tp|sp) row-major, built on first use."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessera.plan import Plan
+
+
+class Meshes:
+    """The mesh with axes ("dp",), ("dp", "tp") or ("dp", "sp"), "pp" first under pipelining, and
+    the 1-D mesh over which gradients are averaged. Created lazily: a layout that needs no mesh
+    (Plan.replicas) never makes one."""
+
+    def __init__(self, plan: Plan, device: torch.device) -> None:
+        self.plan, self.device = plan, device
+        self._mesh: DeviceMesh | None = None
+        self._grad: DeviceMesh | None = None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            shape, names = self.plan.mesh_shape()
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._mesh
+
+    @property
+    def grad(self) -> DeviceMesh:
+        """``dp``, or dp × sp flattened with Ulysses (sp ranks see different tokens of the same samples)."""
+        if self.plan.ulysses_size == 1:
+            return self.mesh["dp"]
+        if self._grad is None:
+            self._grad = self.mesh["dp", "sp"]._flatten("dp_sp")
+        return self._grad
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(axis)
+
+    def grad_ranks(self) -> list[int]:
+        """The global ranks of this rank's gradient group."""
+        return dist.get_process_group_ranks(self.grad.get_group())

@@ -1,0 +1,58 @@
+"""One path that lays out a module, the whole model or one pipeline stage alike:
+tensor parallel (with split/gather sequence parallelism) → recompute → data parallel / ZeRO.
+
+Ulysses sequence parallelism routes the whole model's attention and is switched on once per
+model (:func:`enable_ulysses`), before a pipeline cuts it into stages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tessera.parallel import data as data_parallel
+from tessera.parallel.policy import Policy
+from tessera.parallel.recompute import apply_recompute
+from tessera.parallel.tensor import apply_tensor_parallel
+from tessera.plan import Plan
+from tessera.runtime.hooks import Hooks
+from tessera.runtime.meshes import Meshes
+
+
+def parallelize(
+    module: nn.Module,
+    plan: Plan,
+    meshes: Meshes | None,
+    policy: Policy | None,
+    hooks: Hooks,
+    device: torch.device,
+    model: nn.Module | None = None,
+) -> nn.Module:
+    """Lay ``module`` out as ``plan`` says and return what to train (a wrapper or ``module``).
+
+    ``model``: the whole model when ``module`` is one of its pipeline stages (the policy reads
+    its configuration). ``meshes``: None when the plan has no grid (Plan.replicas): then only
+    precision applies, gradients being averaged by the replicas engine.
+    """
+    model = model if model is not None else module
+    if not (plan.offload and data_parallel.uses_fsdp(plan)):  # FSDP offload keeps parameters on the host
+        module.to(device)
+    if plan.tp > 1:
+        assert policy is not None and meshes is not None, "the engine checks tp against the policy first"
+        split_gather = plan.sp > 1 and plan.sp_mode == "split_gather"
+        apply_tensor_parallel(
+            module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
+        )
+    apply_recompute(data_parallel.repeated_blocks(module), plan.recompute)
+    wrapped = data_parallel.apply_data_parallel(module, plan, meshes.grad if meshes else None, device)
+    if meshes is not None and data_parallel.uses_fsdp(plan):
+        hooks.on_sharded(module, data_parallel.repeated_blocks(module), meshes.grad_ranks())
+    elif meshes is not None and isinstance(wrapped, DistributedDataParallel):
+        hooks.on_replicated(wrapped, meshes.grad_ranks())
+    return wrapped
+
+
+def enable_ulysses(model: nn.Module, plan: Plan, meshes: Meshes, policy: Policy) -> None:
+    """Route ``model``'s attention through the Ulysses all-to-all over the ``sp`` axis."""
+    policy.enable_ulysses(model, meshes.group("sp"))

@@ -1,0 +1,76 @@
+"""A grid of pipeline stages: pp ranks per model copy, each stage laid out by ``parallelize``."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.parallel import data as data_parallel
+from tessera.parallel.pipeline import (
+    PipelineModel,
+    PipelineRunner,
+    TiedWeights,
+    average_gradients,
+    split_model,
+    stage_owners,
+)
+from tessera.runtime.engine import Engine, LossFn
+from tessera.runtime.parallelize import enable_ulysses, parallelize
+
+
+class PipelineEngine(Engine):
+    def wrap(self, model: nn.Module, names: list[list[str]]) -> nn.Module:
+        ctx, plan = self.ctx, self.ctx.plan
+        policy = ctx.require_policy("pipeline parallelism")
+        layout = policy.pipeline_layout(model)
+        if plan.tp > 1:
+            policy.check_tp(model, plan.tp)
+        pp_mesh = ctx.meshes.mesh["pp"]
+        ranges = plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), plan.pp)
+        sp_group = ctx.meshes.group("sp") if plan.ulysses_size > 1 else None
+        if sp_group is not None:  # on the whole model: attention modules and config are shared with the stages
+            enable_ulysses(model, plan, ctx.meshes, policy)
+        stages = split_model(model, layout, ranges, plan.pipeline.schedule, plan.pp, pp_mesh.get_local_rank())
+        for _, stage in stages:
+            stage.sp_group = sp_group  # positions start at this rank's sequence offset
+            parallelize(stage, plan, ctx.meshes, policy, ctx.hooks, ctx.device, model=model)
+        pp_ranks = dist.get_process_group_ranks(pp_mesh.get_group())
+        n_stages = len(ranges)
+        owner = stage_owners(len(pp_ranks), n_stages, plan.pipeline.schedule)
+        for i, stage in stages:
+            ctx.hooks.on_stage(
+                stage,
+                pp_ranks[owner[i - 1]] if i > 0 else None,
+                pp_ranks[owner[i + 1]] if i + 1 < n_stages else None,
+            )
+        pipeline_model = PipelineModel(stages)
+        tied = [n for n in names if len(n) > 1]
+        self.tied = TiedWeights(tied, pipeline_model, layout, ranges, plan.pipeline.schedule, ctx.meshes.mesh)
+        self.runner = PipelineRunner(pipeline_model, plan.pipeline, n_stages, pp_mesh.get_group(), ctx.device)
+        return pipeline_model
+
+    def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        ctx = self.ctx
+        factor = ctx.loss_weight * (ctx.scaler.scale if ctx.scaler is not None else 1.0)
+        with ctx.loss_parallel():
+            loss = self.runner.step(inputs, target, loss_fn, factor)
+        self.tied.sync()
+        if not data_parallel.uses_fsdp(ctx.plan):  # FSDP reduce-scatters inside the schedule
+            params, group = list(model.parameters()), ctx.meshes.grad.get_group()
+            if dist.get_world_size(group) > 1:
+                nbytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+                ctx.hooks.before_all_reduce(dist.get_process_group_ranks(group), nbytes)
+            average_gradients(params, group)
+        return loss
+
+    def norm_groups(self) -> tuple[tuple[Any, ...], Collection[int]]:
+        # Stages hold disjoint parameters: their partial norms add up over the pp group (a tied
+        # weight's copies are counted on one rank only).
+        return (self.ctx.meshes.group("pp"),), self.tied.uncounted
+
+    def state_group(self) -> dist.ProcessGroup | None:
+        return self.ctx.meshes.group("pp")

@@ -1,0 +1,93 @@
+"""Replicas of different depth (``Plan.replicas``): each replica a whole model on one rank or a
+pipeline over several, every layer's gradient averaged over the ranks that hold it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.errors import PlanError
+from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model, stage_owners
+from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
+from tessera.runtime.engine import Context, Engine, LossFn, accumulate
+from tessera.runtime.parallelize import parallelize
+
+
+class ReplicasEngine(Engine):
+    plain_backward = False  # each layer's gradient is averaged over its holders by the engine's step
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        assert ctx.plan.replicas is not None
+        self.replica = replica_ranks(ctx.plan, ctx.rank)
+        self.group: dist.ProcessGroup | None = None
+        self.runner: PipelineRunner | None = None
+
+    def wrap(self, model: nn.Module, names: list[list[str]]) -> nn.Module:
+        """This rank's part of its replica: the whole model, or one stage of the replica's pipeline."""
+        ctx, plan = self.ctx, self.ctx.plan
+        assert plan.replicas is not None
+        replica = plan.replicas[self.replica.index]
+        self.group = replica_groups(plan)[self.replica.index]  # every rank makes every replica's group
+        layout = None
+        if plan.pipelined:
+            layout = ctx.require_policy("replicas split into pipeline stages").pipeline_layout(model)
+            n_layers = len(model.get_submodule(layout.layers))
+            for i, other in enumerate(plan.replicas):
+                try:
+                    dataclasses.replace(plan.pipeline, stages=other.stages).check_layers(n_layers)
+                except PlanError as exc:
+                    raise PlanError(f"Plan.replicas[{i}]: {exc}") from None
+        if replica.depth == 1:
+            local, stages = model, [model]
+        else:
+            assert layout is not None
+            split = split_model(
+                model, layout, replica.stages, plan.pipeline.schedule, replica.depth, self.replica.stage
+            )
+            local, stages = PipelineModel(split), [stage for _, stage in split]
+            ranks, depth = self.replica.ranks, replica.depth
+            owner = stage_owners(len(ranks), depth, plan.pipeline.schedule)
+            for i, stage in split:
+                ctx.hooks.on_stage(
+                    stage, ranks[owner[i - 1]] if i > 0 else None, ranks[owner[i + 1]] if i + 1 < depth else None
+                )
+        for stage in stages:  # no grid, no wrapper: precision and recompute only
+            parallelize(stage, plan, None, ctx.policy, ctx.hooks, ctx.device, model=model)
+        if replica.depth > 1:
+            assert isinstance(local, PipelineModel) and self.group is not None
+            spec = dataclasses.replace(plan.pipeline, stages=replica.stages)
+            self.runner = PipelineRunner(local, spec, replica.depth, self.group, ctx.device)
+        self.layer_sync = LayerSync(plan, names, local, layout, ctx.hooks.before_all_reduce)
+        return local
+
+    def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        ctx = self.ctx
+        if self.runner is None:
+            loss = accumulate(ctx, inputs, target, model, loss_fn)
+        else:
+            factor = ctx.loss_weight * (ctx.scaler.scale if ctx.scaler is not None else 1.0)
+            with ctx.loss_parallel():
+                loss = self.runner.step(inputs, target, loss_fn, factor)
+        self.layer_sync.sync()
+        return loss
+
+    def grad_group(self) -> dist.ProcessGroup | None:
+        return None  # Plan.replicas refuses ZeRO: nothing shards over a group
+
+    def norm_groups(self) -> tuple[tuple[Any, ...], Collection[int]]:
+        return (dist.group.WORLD,), self.layer_sync.uncounted  # every gradient counted by its lowest holder
+
+    def reduce_loss(self, value: torch.Tensor) -> torch.Tensor:
+        # each stage of a replica has the replica's loss: count each replica once
+        value /= self.ctx.plan.dp * len(self.replica.ranks)
+        dist.all_reduce(value)
+        return value
+
+    def state_group(self) -> dist.ProcessGroup | None:
+        return self.group

@@ -1,0 +1,52 @@
+"""The package's seams, read from the source: which module imports which (function-local imports
+included, so a cycle cannot hide inside a function)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tessera"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Every tessera module and the tessera modules it imports anywhere in its body."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import submodule`
+        graph[name] = {m for m in found if m in modules}
+    return graph
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_parallel_never_imports_the_models() -> None:
+    """parallel/ receives a chosen policy; the model families (models/) build on parallel/, not the reverse."""
+    wrong = {m: sorted(d for d in deps if _inside(d, "tessera.models")) for m, deps in imports().items()}
+    wrong = {m: d for m, d in wrong.items() if d and _inside(m, "tessera.parallel")}
+    assert not wrong, f"parallel/ imports models/: {wrong}"
+
+
+def test_the_runtime_knows_nothing_of_clusters_or_the_planner() -> None:
+    """Emulation reaches the runtime only as hooks handed to the Booster."""
+    banned = ("tessera.cluster", "tessera.planner")
+    wrong = {
+        m: sorted(d for d in deps if any(_inside(d, b) for b in banned))
+        for m, deps in imports().items()
+        if _inside(m, "tessera.runtime") or m == "tessera.booster"
+    }
+    assert not any(wrong.values()), f"the runtime imports: {wrong}"
