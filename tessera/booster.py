@@ -33,7 +33,7 @@ from tessera.data.sharding import ShardedLoader, ShareBatchSampler
 from tessera.errors import PlanError
 from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
-from tessera.parallel import data as data_parallel
+from tessera.parallel import data_parallel
 from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.tensor import align_grad_placements
 from tessera.parallel.zero1 import ShardedOptimizer

@@ -138,7 +138,7 @@ def _from_storable(loaded: Any, like: Any) -> Any:
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    from tessera.parallel.data import unwrap
+    from tessera.parallel.data_parallel import unwrap
 
     return {id(p): name for name, p in unwrap(model).named_parameters()}
 

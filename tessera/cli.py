@@ -62,8 +62,8 @@ def _plan(args: argparse.Namespace) -> int:
     from tessera.planner import ModelCosts
     from tessera.planner.draw import draw
     from tessera.planner.search import search
+    from tessera.train.build import build_model
     from tessera.train.config import load_config
-    from tessera.train.trainer import build_model
 
     if not (args.model and args.cluster and args.global_batch):
         raise ValueError("tessera plan needs --model CONFIG.yaml --cluster CLUSTER.yaml --global-batch N.")

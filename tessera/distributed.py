@@ -152,11 +152,3 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds: a DTensor's local shard (in-place updates of it update
     ``t``), or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1

@@ -81,8 +81,8 @@ def export_safetensors(path: str | Path, out: str | Path) -> Path:
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
+    from tessera.train.build import build_model
     from tessera.train.config import parse_config
-    from tessera.train.trainer import build_model
 
     meta = json.loads((Path(path) / "meta.json").read_text())
     if "config" not in meta:

@@ -141,7 +141,7 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tessera.parallel.data import unwrap
+    from tessera.parallel.data_parallel import unwrap
 
     out = {}
     for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied weights under every name

@@ -179,7 +179,7 @@ def _layout_links_worker(cluster_path: str, plans: list[dict]) -> list[float]:
 def test_emulated_links_delay_sharding_pipelines_and_replicas(tmp_path: Path) -> None:
     """FSDP's gathers and reduce-scatters, a pipeline's transfers and gradient averaging, and the
     per-layer averaging of replicas of different depth all wait for the emulated link."""
-    from tessera.parallel.data import repeated_blocks
+    from tessera.parallel.data_parallel import repeated_blocks
     from tessera.testing import run_ranks
 
     spec = {

@@ -7,7 +7,7 @@ import torch
 
 from tessera.errors import PlanError
 from tessera.models import Llama, LlamaConfig
-from tessera.parallel.data import repeated_blocks
+from tessera.parallel.data_parallel import repeated_blocks
 from tessera.parallel.recompute import apply_recompute
 
 

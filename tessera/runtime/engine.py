@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tessera import distributed
-from tessera.parallel import data as data_parallel
+from tessera.parallel import data_parallel
 from tessera.parallel.pipeline import check_microbatches
 from tessera.parallel.policy import Policy
 from tessera.plan import Plan

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tessera.parallel import data as data_parallel
+from tessera.parallel import data_parallel
 from tessera.parallel.policy import Policy
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor import apply_tensor_parallel

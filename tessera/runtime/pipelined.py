@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.parallel import data as data_parallel
+from tessera.parallel import data_parallel
 from tessera.parallel.pipeline import (
     PipelineModel,
     PipelineRunner,

@@ -39,7 +39,7 @@ def check_memory(cfg: Config, plan, nproc: int) -> None:
     """
     import torch
 
-    from tessera.train.trainer import build_model
+    from tessera.train.build import build_model
 
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = build_model(cfg)

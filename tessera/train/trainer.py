@@ -21,61 +21,12 @@ from tessera import faults
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.cluster.emulate import hooks_from_environment
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
-from tessera.optim.lamb import LAMB
-from tessera.optim.lars import LARS
-from tessera.parallel.data import unwrap as data_parallel_unwrap
+from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.train import rundir
+from tessera.train.build import build_model, build_optimizer
 from tessera.train.config import Config, plan_from_config
 from tessera.train.failures import CollectiveTimeout
 from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
-
-
-def build_model(cfg: Config) -> nn.Module:
-    m, seq = cfg.model, cfg.data.seq_len
-    vocab = ByteTokenizer.vocab_size
-    if m.kind == "llama":
-        from tessera.models import Llama, LlamaConfig
-
-        return Llama(
-            LlamaConfig(
-                vocab_size=vocab,
-                dim=m.dim,
-                n_layers=m.n_layers,
-                n_heads=m.n_heads,
-                n_kv_heads=m.n_kv_heads,
-                ffn_dim=m.ffn_dim,
-                max_seq_len=seq,
-                tie_embeddings=m.tie_embeddings,
-            )
-        )
-    from tessera.models import hf
-
-    if m.kind == "hf_config":
-        return hf.from_config_file(m.hf_config)
-    if m.kind == "hf_gpt2":
-        return hf.gpt2(n_layer=m.n_layers, n_embd=m.dim, n_head=m.n_heads, vocab_size=vocab, seq_len=seq)
-    return hf.llama(
-        n_layer=m.n_layers,
-        hidden=m.dim,
-        n_head=m.n_heads,
-        n_kv_head=m.n_kv_heads,
-        ffn=m.ffn_dim,
-        vocab_size=vocab,
-        seq_len=seq,
-    )
-
-
-def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.name == "lamb":
-        return LAMB(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    if o.name == "lars":
-        return LARS(
-            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, trust_coefficient=o.trust_coefficient
-        )
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
 
 
 def lr_factor(cfg: Config, step: int) -> float:
