@@ -53,6 +53,7 @@ from tessera.checkpoint_readers import (
 )
 from tessera.data.sharding import map_tensors
 from tessera.parallel.zero1 import ShardedOptimizer
+from tessera.train.failures import RuntimeFault
 
 
 def _dir_name(step: int) -> str:
@@ -179,8 +180,6 @@ def save_checkpoint(
             raise
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        from tessera.train.failures import RuntimeFault
-
         previous = latest_checkpoint(root, meta.get("run_id"))
         kept = f"the last complete checkpoint, '{previous}', is intact" if previous else "no earlier checkpoint exists"
         raise RuntimeFault(

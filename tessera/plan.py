@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -511,6 +512,15 @@ class Plan:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
         return self.dp_shares if self.dp_shares is not None else (1,) * dp
 
+    def samples_per_rank(self, global_batch_size: int) -> list[int]:
+        """Samples each data-parallel rank (each replica) takes of every global batch, by share."""
+        return split_batch(global_batch_size, self.shares())
+
+    def replica_ranks(self, index: int) -> list[int]:
+        """The global ranks of replica ``index`` of a ``Plan.replicas`` plan, in stage order."""
+        assert self.replicas is not None
+        return [self.rank_at(RankCoords(pp=s, dp=index)) for s in range(self.replicas[index].depth)]
+
     def check_composable(self) -> None:
         """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
         if self.ulysses_size > 1 and self.tp > 1:
@@ -569,6 +579,26 @@ class Plan:
         except (InputError, PlanError) as exc:
             message = str(exc)
             raise PlanError(message if str(path) in message else f"Plan file '{path}': {message}") from None
+
+
+def split_batch(global_batch_size: int, shares: Sequence[int]) -> list[int]:
+    """Samples per data-parallel rank; refuses a batch that does not split exactly."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
+        raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
+    total = sum(shares)
+    if global_batch_size < len(shares):
+        raise PlanError(
+            f"global_batch_size={global_batch_size} is smaller than the {len(shares)} data-parallel ranks: "
+            "every rank needs at least one sample."
+        )
+    if global_batch_size % total:
+        lower = global_batch_size - global_batch_size % total
+        raise PlanError(
+            f"global_batch_size={global_batch_size} cannot be split in the proportions of the data-parallel "
+            f"shares (Plan.dp_shares or Plan.replicas[i].share) {tuple(shares)} (sum {total}): use a multiple "
+            f"of {total}, e.g. {lower or total} or {lower + total}."
+        )
+    return [global_batch_size * s // total for s in shares]
 
 
 def _replicas_from(value: Any) -> tuple[Replica, ...]:

@@ -24,8 +24,9 @@ def imports() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
-                found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import submodule`
+                for alias in node.names:  # `from pkg import submodule` depends on the submodule
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
         graph[name] = {m for m in found if m in modules}
     return graph
 
@@ -50,3 +51,47 @@ def test_the_runtime_knows_nothing_of_clusters_or_the_planner() -> None:
         if _inside(m, "tessera.runtime") or m == "tessera.booster"
     }
     assert not any(wrong.values()), f"the runtime imports: {wrong}"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module
+    (Tarjan), plus modules that import themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles_even_through_function_local_imports() -> None:
+    assert not cycles(imports()), f"import cycles: {cycles(imports())}"
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

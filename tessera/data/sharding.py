@@ -15,26 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from tessera.errors import PlanError
-
-
-def split_batch(global_batch_size: int, shares: Sequence[int]) -> list[int]:
-    """Samples per data-parallel rank; refuses a batch that does not split exactly."""
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size <= 0:
-        raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
-    total = sum(shares)
-    if global_batch_size < len(shares):
-        raise PlanError(
-            f"global_batch_size={global_batch_size} is smaller than the {len(shares)} data-parallel ranks: "
-            "every rank needs at least one sample."
-        )
-    if global_batch_size % total:
-        lower = global_batch_size - global_batch_size % total
-        raise PlanError(
-            f"global_batch_size={global_batch_size} cannot be split in the proportions of the data-parallel "
-            f"shares (Plan.dp_shares or Plan.replicas[i].share) {tuple(shares)} (sum {total}): use a multiple "
-            f"of {total}, e.g. {lower or total} or {lower + total}."
-        )
-    return [global_batch_size * s // total for s in shares]
+from tessera.plan import split_batch
 
 
 class ShareBatchSampler(Sampler[list[int]]):

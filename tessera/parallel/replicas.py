@@ -33,24 +33,16 @@ class ReplicaRanks:
     ranks: tuple[int, ...]
 
 
-def rank_ranges(plan: Plan) -> list[range]:
-    """Each replica's global ranks, stage order: replicas take consecutive ranks, one per stage."""
+def rank_ranges(plan: Plan) -> list[list[int]]:
+    """Each replica's global ranks, stage order (the Plan's layout: consecutive ranks, one per stage)."""
     assert plan.replicas is not None
-    out, first = [], 0
-    for replica in plan.replicas:
-        out.append(range(first, first + replica.depth))
-        first += replica.depth
-    return out
+    return [plan.replica_ranks(i) for i in range(len(plan.replicas))]
 
 
 def replica_ranks(plan: Plan, rank: int) -> ReplicaRanks:
     """The replica and stage of ``rank`` under ``plan.replicas``."""
-    ranges = rank_ranges(plan)
-    index = next((i for i, ranks in enumerate(ranges) if rank in ranks), None)
-    if index is None:
-        raise ValueError(f"rank {rank} is past the {ranges[-1].stop} ranks of Plan.replicas")
-    ranks = ranges[index]
-    return ReplicaRanks(index, rank - ranks.start, tuple(ranks))
+    coords = plan.coords(rank)
+    return ReplicaRanks(coords.dp, coords.pp, tuple(plan.replica_ranks(coords.dp)))
 
 
 def replica_groups(plan: Plan) -> list[dist.ProcessGroup | None]:
@@ -65,7 +57,7 @@ def holders(plan: Plan, names: list[str], layout: PipelineLayout | None) -> tupl
     out: set[int] = set()
     for replica, ranks in zip(plan.replicas, rank_ranges(plan)):
         if replica.depth == 1:
-            out.add(ranks.start)
+            out.add(ranks[0])
         else:
             assert layout is not None
             stages = {stage_of(n, layout, replica.stages) for n in names}

@@ -45,8 +45,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.cluster.spec import Link
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, OpTimes, ReplicaSpec, grad_sync_s, op_times, optimizer_s
+from tessera.planner.layout import (
+    Layout,
+    MixedLayout,
+    OpTimes,
+    ReplicaSpec,
+    grad_sync_s,
+    op_times,
+    optimizer_s,
+)
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket: the all-reduce's staging copy
 
@@ -193,11 +202,9 @@ def fits(layout: Layout, costs: ModelCosts) -> bool:
     )
 
 
-def estimate(layout: Layout, costs: ModelCosts) -> Estimate:
+def estimate(layout: Layout | MixedLayout, costs: ModelCosts) -> Estimate:
     """Step time, throughput, memory per device and the bottleneck of ``layout`` (a Layout, or
-    replicas of different depth: :func:`tessera.planner.mixed.mixed_estimate`)."""
-    from tessera.planner.mixed import MixedLayout, mixed_estimate  # it builds on this module
-
+    replicas of different depth: :func:`mixed_estimate`)."""
     if isinstance(layout, MixedLayout):
         return mixed_estimate(layout, costs)
     step, pipes, syncs, opt = step_time(layout, costs)
@@ -207,13 +214,13 @@ def estimate(layout: Layout, costs: ModelCosts) -> Estimate:
             state, act, buf = device_memory(layout, costs, replica, s)
             memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
     tokens = layout.global_batch * costs.seq_len
-    breakdown = _breakdown(layout, costs, step, syncs, opt)
+    causes = breakdown(layout, costs, step, syncs, opt)
     return Estimate(
-        step, tokens / step, tuple(memory), tuple(pipes), tuple(syncs), opt, _bottleneck(layout, breakdown), breakdown
+        step, tokens / step, tuple(memory), tuple(pipes), tuple(syncs), opt, bottleneck(layout, causes), causes
     )
 
 
-def _breakdown(layout: Layout, costs: ModelCosts, step: float, syncs: list[float], opt: float) -> dict[str, float]:
+def breakdown(layout: Layout, costs: ModelCosts, step: float, syncs: list[float], opt: float) -> dict[str, float]:
     """Seconds of the step by cause, on the critical replica's busiest stage."""
     worst = max(
         layout.replicas, key=lambda r: pipeline_s(op_times(layout, costs, r), layout.microbatches, layout.schedule)
@@ -231,7 +238,7 @@ def _breakdown(layout: Layout, costs: ModelCosts, step: float, syncs: list[float
     }
 
 
-def _bottleneck(layout: Layout, breakdown: dict[str, float]) -> str:
+def bottleneck(layout: Layout, breakdown: dict[str, float]) -> str:
     """The largest share of the step, in words."""
     parts = {k: v for k, v in breakdown.items() if k != "busiest stage"}
     total = sum(parts.values()) or 1.0
@@ -246,3 +253,35 @@ def _bottleneck(layout: Layout, breakdown: dict[str, float]) -> str:
     if cause == "optimizer":
         return f"optimizer step{' on the host' if layout.offload else ''} ({share:.0%} of the step)"
     return f"pipeline bubble and stage transfers ({share:.0%} of the step)"
+
+
+# ------------------------------------------------- replicas of different depth
+def replica_sync_s(costs: ModelCosts, link: Link, replicas: int) -> float:
+    """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica)."""
+    return link.all_reduce_s(4 * costs.stage_params(0, costs.n_layers), replicas)
+
+
+def replica_optimizer_s(view: Layout, costs: ModelCosts) -> float:
+    """The slowest optimizer step among the stages of a one-replica Layout."""
+    return max(optimizer_s(view, costs, s, u) for s, u in enumerate(view.replicas[0].units))
+
+
+def mixed_estimate(layout: MixedLayout, costs: ModelCosts) -> Estimate:
+    """The closed-form estimate of replicas of different depth (:class:`MixedLayout`): each replica
+    costed as a one-replica Layout, step = max(pipeline) + sync of every gradient + max(optimizer)."""
+    pipes, opts, memory = [], [], []
+    for i, part in enumerate(layout.parts):
+        spec = part.replicas[0]
+        pipes.append(pipeline_s(op_times(part, costs, spec), part.microbatches, part.schedule))
+        opts.append(replica_optimizer_s(part, costs))
+        for s, unit in enumerate(spec.units):
+            state, act, buf = device_memory(part, costs, spec, s)
+            memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
+    sync = replica_sync_s(costs, layout.sync_link, len(layout.parts))
+    step = max(pipes) + sync + max(opts)
+    part = layout.parts[max(range(len(layout.parts)), key=lambda i: pipes[i])]  # the critical replica
+    causes = breakdown(part, costs, step, [sync], max(opts))
+    tokens = layout.global_batch * costs.seq_len
+    return Estimate(
+        step, tokens / step, tuple(memory), tuple(pipes), (sync,), max(opts), bottleneck(part, causes), causes
+    )

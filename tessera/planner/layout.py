@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster, Link
 from tessera.errors import PlanError
@@ -65,6 +65,23 @@ class Layout:
     @property
     def global_batch(self) -> int:
         return sum(r.count * r.micro_batch for r in self.replicas) * self.microbatches
+
+
+@dataclass(frozen=True)
+class MixedLayout:
+    """Replicas of several depths: one one-replica Layout per replica (pp = its depth, dp = R)."""
+
+    parts: tuple[Layout, ...]
+    sync_link: Link
+    devices: tuple[tuple[int, ...], ...] = field(default=())  # each replica's cluster devices, stage order
+
+    @property
+    def microbatches(self) -> int:
+        return self.parts[0].microbatches
+
+    @property
+    def global_batch(self) -> int:
+        return sum(p.replicas[0].micro_batch for p in self.parts) * self.microbatches
 
 
 @dataclass(frozen=True)
@@ -146,8 +163,6 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
     """The Layout of a resolved ``plan`` on ``cluster`` (rank i runs on cluster device
     ``plan.device_of(i)``, in the cluster file's order)."""
     if plan.replicas is not None:  # replicas of different depth: no grid
-        from tessera.planner.mixed import mixed_layout_from_plan
-
         return mixed_layout_from_plan(plan, cluster, costs, global_batch)  # type: ignore[return-value]
     world = cluster.world_size
     plan = plan.resolve(world)
@@ -158,9 +173,7 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         raise PlanError(
             "the planner models one stage per pipeline rank (gpipe, 1f1b); interleaved plans are not costed."
         )
-    from tessera.data.sharding import split_batch
-
-    samples = split_batch(global_batch, plan.shares())
+    samples = plan.samples_per_rank(global_batch)
     m = plan.pipeline.microbatches
     replicas = []
     for r in range(plan.dp):
@@ -204,3 +217,32 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
         min(t.bandwidth_gbs for t in types),
         cluster.worst_link(nodes),
     )
+
+
+def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> MixedLayout:
+    """The MixedLayout of a ``Plan.replicas`` plan on ``cluster`` (rank i on device ``plan.device_of(i)``)."""
+    assert plan.replicas is not None
+    plan = plan.resolve(cluster.world_size)
+    devices = cluster.devices()
+    samples = plan.samples_per_rank(global_batch)
+    m = plan.pipeline.microbatches
+    r = len(plan.replicas)
+    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(cluster.world_size)})
+    parts, placed = [], []
+    for i, (replica, n) in enumerate(zip(plan.replicas, samples)):
+        ranks = plan.replica_ranks(i)
+        if n % m:
+            raise PlanError(
+                f"Plan.replicas[{i}] takes {n} samples, which Plan.pipeline.microbatches={m} does not divide."
+            )
+        members = [plan.device_of(rank) for rank in ranks]
+        units = tuple(unit_of(cluster, [devices[d]], costs.precision) for d in members)
+        nodes = [devices[d][0] for d in members]
+        p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
+        spec = ReplicaSpec(1, units, p2p, n // m)
+        parts.append(
+            Layout(replica.depth, r, 1, replica.stages, m, plan.pipeline.schedule, 0, False, plan.recompute, (spec,),
+                   (link,) * replica.depth)
+        )  # fmt: skip
+        placed.append(tuple(members))
+    return MixedLayout(tuple(parts), link, tuple(placed))

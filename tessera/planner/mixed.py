@@ -1,4 +1,5 @@
-"""Replicas whose pipelines differ in depth (``Plan.replicas``): their cost and their search.
+"""Replicas whose pipelines differ in depth (``Plan.replicas``): their search (their layout type
+is :class:`~tessera.planner.layout.MixedLayout`, their cost :func:`~tessera.planner.costmodel.mixed_estimate`).
 
 The grid planner gives every replica the same stages. Here each *pool* (a run of alike devices
 next to each other in one node, in cluster-file order) is cut into replicas of its own depth:
@@ -7,7 +8,7 @@ pipelines (the shape Zorse argues for). Ranks follow the cluster file, so every 
 launchable by torchrun as it stands.
 
 Cost. A replica of depth d is costed as a one-replica :class:`Layout` (pp = d) by the same
-functions as the grid: :func:`pipeline_s`, :func:`device_memory`, :func:`optimizer_s`. The
+functions as the grid: ``pipeline_s``, ``device_memory``, ``optimizer_s``. The
 runtime averages each layer's gradient over the ranks that hold it once every pipeline is done,
 so the step is::
 
@@ -33,13 +34,13 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tessera.cluster.spec import Cluster, Link
 from tessera.plan import PipelineSpec, Plan, Replica
-from tessera.planner.costmodel import DeviceMemory, Estimate, _bottleneck, _breakdown, device_memory, pipeline_s
+from tessera.planner.costmodel import device_memory, pipeline_s, replica_optimizer_s, replica_sync_s
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, ReplicaSpec, UnitSpec, op_times, optimizer_s, unit_of
+from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, unit_of
 from tessera.planner.space import proportional_split, splits
 
 DEPTH_LIMIT = 64  # depth combinations enumerated; above it, each pool's smallest depth that fits
@@ -56,23 +57,6 @@ class Pool:
     devices: tuple[int, ...]
     unit: UnitSpec
     link: Link  # inside the node: between a replica's stages
-
-
-@dataclass(frozen=True)
-class MixedLayout:
-    """Replicas of several depths: one one-replica Layout per replica (pp = its depth, dp = R)."""
-
-    parts: tuple[Layout, ...]
-    sync_link: Link
-    devices: tuple[tuple[int, ...], ...] = field(default=())  # each replica's cluster devices, stage order
-
-    @property
-    def microbatches(self) -> int:
-        return self.parts[0].microbatches
-
-    @property
-    def global_batch(self) -> int:
-        return sum(p.replicas[0].micro_batch for p in self.parts) * self.microbatches
 
 
 def pools(cluster: Cluster, dtype: str) -> list[Pool]:
@@ -96,11 +80,6 @@ def _pool(cluster: Cluster, run: list[int], dtype: str) -> Pool:
     return Pool(tuple(run), unit_of(cluster, [devices[run[0]]], dtype), cluster.link(node, node))
 
 
-def sync_s(costs: ModelCosts, link: Link, replicas: int) -> float:
-    """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica)."""
-    return link.all_reduce_s(4 * costs.stage_params(0, costs.n_layers), replicas)
-
-
 class _Kind:
     """One pool's replicas at one depth: each layer split's optimizer step, and its pipeline time per micro-batch."""
 
@@ -113,7 +92,7 @@ class _Kind:
             if n_splits <= SPLIT_LIMIT
             else [proportional_split(costs, [1.0] * depth)]
         )
-        self.optimizer = {st: _optimizer_s(self.view(st, 1), costs) for st in self.splits}  # not in b
+        self.optimizer = {st: replica_optimizer_s(self.view(st, 1), costs) for st in self.splits}  # not in b
         self._pipe: dict[tuple[tuple, int], float] = {}
 
     def view(self, stages, b: int) -> Layout:
@@ -143,10 +122,6 @@ class _Kind:
             ((self.pipeline(st, b), st) for st in self.splits if self.optimizer[st] <= cap),
             default=(INFEASIBLE, self.splits[0]),
         )
-
-
-def _optimizer_s(view: Layout, costs: ModelCosts) -> float:
-    return max(optimizer_s(view, costs, s, u) for s, u in enumerate(view.replicas[0].units))
 
 
 def _depths(pool: Pool, n_layers: int) -> list[int]:
@@ -249,7 +224,7 @@ def mixed_candidates(
                 for pool, d in zip(all_pools, depths):
                     kind = _Kind(costs, pool, d, m, schedule, recompute, r, link)
                     kinds += [kind] * (len(pool.devices) // d)
-                option = _Option(kinds, sync_s(costs, link, r))
+                option = _Option(kinds, replica_sync_s(costs, link, r))
                 found = option.shares(global_batch // m, exhaustive)
                 if found is not None:
                     step, sizes, stages = found
@@ -280,56 +255,3 @@ def _plan(cluster, costs, all_pools, kinds, sizes, stage_splits, link) -> tuple[
         rank_devices=tuple(f"{names[d][0]}:{names[d][1]}:{names[d][2].name}" for group in placed for d in group),
     )
     return plan, MixedLayout(tuple(parts), link, tuple(placed))
-
-
-# ------------------------------------------------------------------- judging
-def mixed_estimate(layout: MixedLayout, costs: ModelCosts) -> Estimate:
-    """The closed-form estimate of a :class:`MixedLayout` (see the module docstring)."""
-    pipes, opts, memory = [], [], []
-    for i, part in enumerate(layout.parts):
-        spec = part.replicas[0]
-        pipes.append(pipeline_s(op_times(part, costs, spec), part.microbatches, part.schedule))
-        opts.append(_optimizer_s(part, costs))
-        for s, unit in enumerate(spec.units):
-            state, act, buf = device_memory(part, costs, spec, s)
-            memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
-    sync = sync_s(costs, layout.sync_link, len(layout.parts))
-    step = max(pipes) + sync + max(opts)
-    part = layout.parts[max(range(len(layout.parts)), key=lambda i: pipes[i])]  # the critical replica
-    breakdown = _breakdown(part, costs, step, [sync], max(opts))
-    tokens = layout.global_batch * costs.seq_len
-    return Estimate(
-        step, tokens / step, tuple(memory), tuple(pipes), (sync,), max(opts), _bottleneck(part, breakdown), breakdown
-    )
-
-
-def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> MixedLayout:
-    """The MixedLayout of a ``Plan.replicas`` plan on ``cluster`` (rank i on device ``plan.device_of(i)``)."""
-    from tessera.data.sharding import split_batch
-    from tessera.errors import PlanError
-    from tessera.parallel.replicas import rank_ranges
-
-    assert plan.replicas is not None
-    plan = plan.resolve(cluster.world_size)
-    devices = cluster.devices()
-    samples = split_batch(global_batch, plan.shares())
-    m = plan.pipeline.microbatches
-    r = len(plan.replicas)
-    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(cluster.world_size)})
-    parts, placed = [], []
-    for i, (replica, n, ranks) in enumerate(zip(plan.replicas, samples, rank_ranges(plan))):
-        if n % m:
-            raise PlanError(
-                f"Plan.replicas[{i}] takes {n} samples, which Plan.pipeline.microbatches={m} does not divide."
-            )
-        members = [plan.device_of(rank) for rank in ranks]
-        units = tuple(unit_of(cluster, [devices[d]], costs.precision) for d in members)
-        nodes = [devices[d][0] for d in members]
-        p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
-        spec = ReplicaSpec(1, units, p2p, n // m)
-        parts.append(
-            Layout(replica.depth, r, 1, replica.stages, m, plan.pipeline.schedule, 0, False, plan.recompute, (spec,),
-                   (link,) * replica.depth)
-        )  # fmt: skip
-        placed.append(tuple(members))
-    return MixedLayout(tuple(parts), link, tuple(placed))

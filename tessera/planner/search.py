@@ -47,6 +47,7 @@ from tessera.planner.costmodel import Estimate, device_memory, estimate, fits, s
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
     Layout,
+    MixedLayout,
     OpTimes,
     ReplicaSpec,
     UnitSpec,
@@ -54,7 +55,7 @@ from tessera.planner.layout import (
     op_times,
     optimizer_s,
 )
-from tessera.planner.mixed import MixedLayout, mixed_candidates
+from tessera.planner.mixed import mixed_candidates
 from tessera.planner.space import (
     PLACEMENT_LIMIT,
     Grid,

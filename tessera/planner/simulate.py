@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tessera.planner.costmodel import replica_sync_s
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, grad_sync_s, op_times, optimizer_s
-from tessera.planner.mixed import MixedLayout, sync_s
+from tessera.planner.layout import Layout, MixedLayout, grad_sync_s, op_times, optimizer_s
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def _simulate_mixed(layout: MixedLayout, costs: ModelCosts) -> Simulation:
     for index, part in enumerate(layout.parts):
         events.extend(replace(e, replica=index) for e in _replay(part, costs, 0))
     finish = max(e.end for e in events)
-    sync_end = finish + sync_s(costs, layout.sync_link, len(layout.parts))
+    sync_end = finish + replica_sync_s(costs, layout.sync_link, len(layout.parts))
     step = sync_end
     for index, part in enumerate(layout.parts):
         for s, unit in enumerate(part.replicas[0].units):

@@ -58,7 +58,8 @@ class RankReport:
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
-    from tessera.checkpoint import CheckpointError
+    # Imported when a rank fails, not when the launcher starts: the launcher never loads torch.
+    from tessera.checkpoint_readers import CheckpointError
     from tessera.errors import PlanError
     from tessera.inputs import InputError
     from tessera.train.config import ConfigError
