@@ -63,7 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
     from tessera.planner.draw import draw
     from tessera.planner.search import search
     from tessera.train.build import build_model
-    from tessera.train.config import load_config
+    from tessera.train.config import load_config, plan_from_config
 
     if not (args.model and args.cluster and args.global_batch):
         raise ValueError("tessera plan needs --model CONFIG.yaml --cluster CLUSTER.yaml --global-batch N.")
@@ -73,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
     check_output_file(args.png, "--png", force=True)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = build_model(cfg)
-    costs = ModelCosts.from_model(model, cfg.data.seq_len, cfg.plan.precision)
+    costs = ModelCosts.from_model(model, cfg.data.seq_len, plan_from_config(cfg.plan).precision)
     found = search(cluster, costs, args.global_batch, top=args.top)
     print(
         f"{len(found)} best plans for {costs.name} ({costs.source} costs, seq {costs.seq_len}, {costs.precision}) "

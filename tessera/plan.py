@@ -36,16 +36,24 @@ SCHEDULES = (
 # (interleaved: any whole number of stages per rank, two by default).
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")  # input and weight grads apart
+ROUND_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # micro-batches run in rounds of pp
 RECOMPUTE = ("none", "selective", "full")
 SP_MODES = ("split_gather", "all_to_all")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> None:
+MAX_SIZE = 1 << 20  # ranks along one axis: bounds what a typo (an extra zero) asks for
+MAX_COUNT = 1 << 24  # micro-batches, shares
+
+
+def _check_int(name: str, value: Any, minimum: int = 1, maximum: int = MAX_SIZE) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"Plan.{name} must be an integer, got {value!r} ({type(value).__name__}).")
+        raise PlanError(f"Plan.{name} must be an integer, got {shown(value)} ({type(value).__name__}).")
     if value < minimum:
         raise PlanError(f"Plan.{name} must be >= {minimum}, got {value}.")
+    if value > maximum:
+        raise PlanError(f"Plan.{name} must be at most {maximum}, got {value}.")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -105,7 +113,7 @@ class PipelineSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", _as_tuple(self.stages))
-        _check_int("pipeline.microbatches", self.microbatches)
+        _check_int("pipeline.microbatches", self.microbatches, maximum=MAX_COUNT)
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
         if self.stages is not None:
             _check_ranges("pipeline.stages", self.stages)
@@ -157,7 +165,7 @@ class PipelineSpec:
                 f"stages ({n_stages}); raise microbatches or use gpipe."
             )
         rounds = max(1, mb // pp)
-        if name in ("interleaved_1f1b", "interleaved_zero_bubble") and mb % rounds:
+        if name in ROUND_SCHEDULES and mb % rounds:
             raise PlanError(
                 f"Plan.pipeline.microbatches={mb}: schedule {name!r} on {pp} ranks runs micro-batches in "
                 f"{rounds} equal rounds, and {mb} is not divisible by {rounds}: "
@@ -297,10 +305,10 @@ class Plan:
             if not isinstance(self.dp_shares, tuple) or not self.dp_shares:
                 raise PlanError(f"Plan.dp_shares must be a list of positive integers, got {self.dp_shares!r}.")
             for i, share in enumerate(self.dp_shares):
-                if isinstance(share, bool) or not isinstance(share, int) or share <= 0:
+                if isinstance(share, bool) or not isinstance(share, int) or not 0 < share <= MAX_COUNT:
                     raise PlanError(
                         f"Plan.dp_shares[{i}]={share!r}: every share must be a positive integer "
-                        "(a slow device gets a smaller share, never zero or less)."
+                        f"(a slow device gets a smaller share, never zero or less; at most {MAX_COUNT})."
                     )
             if self.dp is not None and len(self.dp_shares) != self.dp:
                 raise PlanError(
@@ -613,7 +621,7 @@ def _replicas_from(value: Any) -> tuple[Replica, ...]:
         if not isinstance(replica, Replica):
             raise PlanError(f"Plan.replicas[{i}] must be a Replica or a mapping with stages and share, got {item!r}.")
         _check_ranges(f"replicas[{i}].stages", replica.stages)
-        _check_int(f"replicas[{i}].share", replica.share)
+        _check_int(f"replicas[{i}].share", replica.share, maximum=MAX_COUNT)
         out.append(replica)
     return tuple(out)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,11 +57,13 @@ def Hybrid(
     loss_parallel: bool = False,
     recompute: str = "none",
     device: str = "auto",
+    **fields: Any,
 ) -> Plan:
     """Several parallel dimensions at once: dp × tp × pp (or × Ulysses sp), ZeRO over dp.
 
     ``sp="split_gather"`` is Megatron sequence parallelism inside the tp group (sp = tp);
     an integer ``sp`` with ``sp_mode="all_to_all"`` is Ulysses over ``sp`` more ranks.
+    ``fields``: any other :class:`Plan` field (``offload=True``, ``placement=...``), as is.
 
     Example:
         >>> Hybrid(tp=2, zero=3).tp
@@ -78,20 +80,9 @@ def Hybrid(
         microbatches=microbatches,
         schedule=schedule,
     )
-    return Plan(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        sp=sp,
-        sp_mode=sp_mode,
-        zero=zero,
-        precision=precision,
-        dp_shares=_shares(dp_shares),
-        pipeline=pipeline,
-        loss_parallel=loss_parallel,
-        recompute=recompute,
-        device=device,
-    )
+    named = dict(dp=dp, tp=tp, pp=pp, sp=sp, sp_mode=sp_mode, zero=zero, precision=precision)
+    named.update(dp_shares=_shares(dp_shares), loss_parallel=loss_parallel, recompute=recompute, device=device)
+    return Plan.from_dict({**named, **fields, "pipeline": pipeline})
 
 
 def Auto(

@@ -153,6 +153,30 @@ def test_shipped_example_configs_validate() -> None:
         load_config(path)
 
 
+def test_every_field_of_the_plan_is_a_config_key_and_arrives() -> None:
+    """The config's plan: section is the Plan's own schema: every Plan field (the pipeline's flat)
+    set to a value other than its default comes through the config unchanged, and the same
+    holds for the Hybrid preset's pass-through fields."""
+    import tessera
+    from tessera.train.config import parse_config, plan_from_config
+
+    rich = tessera.Plan(
+        dp=2, tp=2, pp=2, sp=2, sp_mode="split_gather", zero=1, offload=True, precision="bf16", dp_shares=(3, 1),
+        pipeline={"stages": [[0, 1], [1, 2]], "microbatches": 4, "schedule": "gpipe"}, recompute="full",
+        loss_parallel=True, device="cpu", rank_devices=("a",) * 16, placement=tuple(range(16)),
+    )  # fmt: skip
+    defaults = tessera.Plan().to_dict()
+    section = {k: v for k, v in rich.to_dict().items() if k not in ("pipeline", "replicas")}
+    section.update(rich.to_dict()["pipeline"])
+    unset = {k for k, v in rich.to_dict().items() if v == defaults[k]} - {"pipeline"}
+    assert unset == {"replicas"}, f"give these fields a non-default value here: {unset}"
+    assert plan_from_config(parse_config({"plan": section}).plan) == rich
+    hybrid = tessera.Hybrid(dp=2, tp=2, sp="split_gather", zero=1, offload=True, placement=tuple(range(4)))
+    assert hybrid.offload and hybrid.placement == tuple(range(4))
+    replicas = {"replicas": [{"stages": [[0, 2]], "share": 2}, {"stages": [[0, 1], [1, 2]]}], "microbatches": 2}
+    assert plan_from_config(parse_config({"plan": {**replicas, "preset": "ddp"}}).plan).replicas[0].share == 2
+
+
 def test_every_plan_field_of_the_config_reaches_the_plan() -> None:
     """plan_from_config once dropped plan.sp silently; every field must arrive."""
     from tessera.train.config import parse_config, plan_from_config

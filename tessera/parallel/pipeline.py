@@ -34,7 +34,8 @@ from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.parallel.policy import PipelineLayout
 from tessera.parallel.tensor import align_grad_placements
-from tessera.plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineSpec
+from tessera.plan import SCHEDULES as PLAN_SCHEDULES
+from tessera.plan import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, PipelineSpec
 
 Ranges = tuple[tuple[int, int], ...]  # (first, end) layers of each stage
 
@@ -47,6 +48,7 @@ SCHEDULES = {
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
+assert tuple(SCHEDULES) == PLAN_SCHEDULES, "one torch schedule class per name the Plan accepts"
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -225,7 +227,7 @@ class PipelineRunner:
         last_owner = stage_owners(dist.get_world_size(group), n_stages, spec.schedule)[n_stages - 1]
         self.last_rank = dist.get_global_rank(group, last_owner)
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        if spec.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+        if spec.schedule in SPLIT_BACKWARD_SCHEDULES:
             warnings.warn(
                 f"schedule {spec.schedule!r}: under torch 2.13 its split backward leaves saved activations alive "
                 "after every step when a stage's graph holds views or aliases (attention, norms); memory grows "

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from tessera.errors import PlanError, nearest
 from tessera.inputs import InputError, load_yaml, load_yaml_file, shown
+from tessera.plan import PipelineSpec, Plan
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,12 @@ MAX_BATCH = 1 << 24
 MAX_STEPS = 1 << 40
 MAX_SEED = (1 << 63) - 1  # torch.manual_seed takes a signed 64-bit seed
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective may wait a week at most (timedelta needs a finite number)
+
+
+# The Plan's fields as the config's plan: section spells them: the pipeline's sit flat.
+PIPELINE_KEYS = tuple(f.name for f in dataclasses.fields(PipelineSpec))
+PLAN_KEYS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "pipeline") + PIPELINE_KEYS
+DEFAULT_ZERO_STAGE = 2  # the config's plan when it names no stage: ZeRO-2 (the demo's)
 
 
 class _Section(BaseModel):
@@ -106,29 +114,36 @@ class ScheduleConfig(_Section):
 
 
 class PlanConfig(_Section):
-    """A preset with its arguments, or ``file:`` naming a saved Plan (YAML/JSON)."""
+    """A preset (``ddp``, or ``zero`` with ``zero:`` its stage) or ``file:`` naming a saved Plan.
+    Every other key is a field of :class:`tessera.Plan`, the pipeline's flat (``microbatches``,
+    ``schedule``, ``stages``), and the Plan itself checks them: there is one schema, so a field
+    added to the Plan is accepted here as it is."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=False)
 
     preset: Literal["ddp", "zero"] = "zero"
-    zero: int = Field(2, ge=0, le=3)
-    tp: int = Field(1, gt=0, le=MAX_DIM, description="tensor-parallel degree (composes with dp under any ZeRO stage)")
-    sp: int = Field(1, gt=0, le=MAX_DIM, description="sequence-parallel degree: Ulysses ranks, or tp for split_gather")
-    sp_mode: Literal["all_to_all", "split_gather"] = "all_to_all"
-    loss_parallel: bool = Field(False, description="with tp: cross-entropy on vocabulary shards, logits never gathered")
-    pp: int = Field(1, gt=0, le=MAX_LAYERS, description="pipeline-parallel degree (stages run by torch's schedules)")
-    microbatches: int = Field(
-        1, gt=0, le=MAX_BATCH, description="micro-batches per step: pipelined, or accumulated when pp=1"
-    )
-    schedule: Literal[
-        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
-    ] = "1f1b"
-    stages: list[Pair] | None = Field(
-        None, description="layer range [first, end) of each pipeline stage; uneven is fine (default: even split)"
-    )
-    offload: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    dp_shares: list[Annotated[int, Field(gt=0, le=MAX_BATCH)]] | None = None
     file: str | None = None
+
+    @model_validator(mode="after")
+    def _plan_fields(self) -> PlanConfig:
+        extra = self.model_extra or {}
+        for key in extra:
+            if key not in PLAN_KEYS:
+                raise ValueError(f"unknown key 'plan.{key}'{nearest(key, ('preset', 'file', *PLAN_KEYS))}")
+        if self.file is None:
+            plan_from_config(self)  # the Plan's own checks, at load time
+        return self
+
+    def plan_fields(self) -> dict[str, Any]:
+        """The Plan fields this section sets (the preset's ZeRO stage filled in)."""
+        fields = dict(self.model_extra or {})
+        if self.preset == "ddp" and fields.get("zero", 0) != 0:
+            raise ConfigError(
+                f"plan.zero={shown(fields['zero'])} with plan.preset: ddp (which is ZeRO-0): "
+                "use preset: zero for a ZeRO stage."
+            )
+        fields["zero"] = 0 if self.preset == "ddp" else fields.get("zero", DEFAULT_ZERO_STAGE)
+        return fields
 
 
 class TrainConfig(_Section):
@@ -176,7 +191,7 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
-    plan: PlanConfig = PlanConfig()
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -205,7 +220,7 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key '{key}'{nearest(key, valid)}")
         elif err["type"] == "value_error":  # our own checks already name the key
-            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            lines.append(str(err["msg"]).removeprefix("Value error, ").rstrip("."))
         elif key:
             lines.append(f"'{key}': {err['msg']} (got {shown(err.get('input'))})")
         else:
@@ -257,32 +272,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def plan_from_config(cfg: PlanConfig) -> Any:
-    """The tessera.Plan the config asks for."""
-    from tessera import Plan
-    from tessera.plan import PipelineSpec
-
-    try:
-        if cfg.file:
+    """The tessera.Plan the config's ``plan:`` section asks for."""
+    if cfg.file:
+        try:
             return Plan.load(cfg.file)
-        shares = tuple(cfg.dp_shares) if cfg.dp_shares else None
-        zero = 0 if cfg.preset == "ddp" else cfg.zero
-        pipeline = PipelineSpec(
-            stages=tuple(tuple(s) for s in cfg.stages) if cfg.stages else None,
-            microbatches=cfg.microbatches,
-            schedule=cfg.schedule,
-        )
-        return Plan(
-            tp=cfg.tp,
-            sp=cfg.sp,
-            sp_mode=cfg.sp_mode,
-            loss_parallel=cfg.loss_parallel,
-            pp=cfg.pp,
-            pipeline=pipeline,
-            zero=zero,
-            offload=cfg.offload,
-            precision=cfg.precision,
-            dp_shares=shares,
-            recompute=cfg.recompute,
-        )
-    except PlanError as exc:
-        raise ConfigError(f"plan: {exc}") from None
+        except PlanError as exc:
+            raise ConfigError(f"plan: {exc}") from None
+    fields = cfg.plan_fields()
+    pipeline = {k: fields.pop(k) for k in PIPELINE_KEYS if k in fields}
+    try:
+        return Plan.from_dict({**fields, "pipeline": pipeline})
+    except PlanError as exc:  # name the config's keys, not the Plan's nesting
+        raise ConfigError(str(exc).replace("Plan.pipeline.", "plan.").replace("Plan.", "plan.")) from None
