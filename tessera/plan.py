@@ -214,6 +214,19 @@ class Replica:
         return len(self.stages)
 
 
+def grid_coords(rank: int, dp: int, inner: int) -> tuple[int, int, int]:
+    """(pipeline stage, data-parallel index, index inside the tp or sp group) of ``rank`` on a
+    pp × dp × inner grid. The one place the rank order is written: row-major over (pp, dp, inner),
+    pp outermost (stages talk point-to-point, the cheapest traffic for slow links), and the ranks
+    of one tp or sp group neighbours. :meth:`Plan.coords` and the planner's placements use it."""
+    return rank // (dp * inner), (rank // inner) % dp, rank % inner
+
+
+def grid_order(pp: int, dp: int, inner: int) -> list[tuple[int, int, int]]:
+    """:func:`grid_coords` of ranks 0, 1, ... of a pp × dp × inner grid, in rank order."""
+    return [grid_coords(rank, dp, inner) for rank in range(pp * dp * inner)]
+
+
 @dataclass(frozen=True)
 class RankCoords:
     """A rank's place in a Plan: pipeline stage (its stage within its replica under Plan.replicas),
@@ -490,13 +503,8 @@ class Plan:
             raise PlanError(f"rank {rank} is past the {first} ranks of Plan.replicas.")
         if self.dp is None:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
-        inner = self.tp * self.ulysses_size
-        return RankCoords(
-            pp=rank // (self.dp * inner),
-            dp=(rank // inner) % self.dp,
-            tp=rank % self.tp,
-            sp=rank % self.ulysses_size,
-        )
+        stage, dp, inner = grid_coords(rank, self.dp, self.tp * self.ulysses_size)
+        return RankCoords(pp=stage, dp=dp, tp=inner if self.tp > 1 else 0, sp=inner if self.ulysses_size > 1 else 0)
 
     def rank_at(self, coords: RankCoords) -> int:
         """The global rank at ``coords`` (the inverse of :meth:`coords`)."""
@@ -504,8 +512,7 @@ class Plan:
             return sum(r.depth for r in self.replicas[: coords.dp]) + coords.pp
         if self.dp is None:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
-        inner = self.tp * self.ulysses_size
-        return (coords.pp * self.dp + coords.dp) * inner + coords.tp + coords.sp
+        return (coords.pp * self.dp + coords.dp) * self.tp * self.ulysses_size + coords.tp + coords.sp
 
     def device_of(self, rank: int) -> int:
         """The cluster device (file order) that ``rank`` runs on."""

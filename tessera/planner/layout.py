@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster, Link
 from tessera.errors import PlanError
-from tessera.plan import Plan
+from tessera.plan import Plan, RankCoords
 from tessera.planner.costs import ModelCosts
 
 # Host ↔ device copies for offload (PCIe 4.0 x16, one direction) and the host's own memory bandwidth.
@@ -179,7 +179,7 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
     for r in range(plan.dp):
         units, nodes = [], []
         for s in range(plan.pp):
-            ranks = [order[(s * plan.dp + r) * plan.tp + t] for t in range(plan.tp)]
+            ranks = [order[plan.rank_at(RankCoords(pp=s, dp=r, tp=t))] for t in range(plan.tp)]
             units.append(unit_of(cluster, [devices[i] for i in ranks], costs.precision))
             nodes.append(devices[ranks[0]][0])
         if samples[r] % m:
@@ -190,7 +190,7 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
         replicas.append(ReplicaSpec(1, tuple(units), p2p, samples[r] // m))
     dp_links = tuple(
-        cluster.worst_link({devices[order[(s * plan.dp + r) * plan.tp]][0] for r in range(plan.dp)})
+        cluster.worst_link({devices[order[plan.rank_at(RankCoords(pp=s, dp=r))]][0] for r in range(plan.dp)})
         for s in range(plan.pp)
     )
     return Layout(

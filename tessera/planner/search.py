@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
-from tessera.plan import PipelineSpec, Plan
+from tessera.plan import PipelineSpec, Plan, grid_order
 from tessera.planner.costmodel import Estimate, device_memory, estimate, fits, stage_finish_s, step_time
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
@@ -342,7 +342,7 @@ def _candidate(cluster: Cluster, costs: ModelCosts, *payload) -> Candidate:
     layout, grid = ev.layout(sizes), ev.placed.grid
     m = layout.microbatches
     samples = tuple(b * m for b in sizes)
-    placement = tuple(device for row in grid for unit in row for device in unit.devices)
+    placement = tuple(grid[s][r].devices[t] for s, r, t in grid_order(layout.pp, layout.dp, layout.tp))
     devices = cluster.devices()
     plan = Plan(
         dp=layout.dp,

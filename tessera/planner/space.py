@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tessera.cluster.spec import Cluster
+from tessera.plan import grid_order
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import UnitSpec, unit_of
 
@@ -90,7 +91,8 @@ def launchable(grid: Grid) -> bool:
     """Whether ``torchrun`` can start this placement: on several machines it numbers ranks machine
     by machine, so each node's devices must take consecutive ranks, in their local order (the
     plan then says which ``--node-rank`` each machine gets). One machine can run any placement."""
-    devices = [(u.node, d) for row in grid for u in row for d in u.devices]
+    order = grid_order(len(grid), len(grid[0]), len(grid[0][0].devices))
+    devices = [(grid[s][r].node, grid[s][r].devices[t]) for s, r, t in order]
     if len({node for node, _ in devices}) == 1:
         return True
     blocks: dict[str, list[int]] = {}
