@@ -32,14 +32,15 @@ from tessera import distributed
 from tessera.data.sharding import ShardedLoader, ShareBatchSampler
 from tessera.errors import PlanError
 from tessera.models.policies import find_policy, missing_policy
-from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
+from tessera.optim.wrapper import BoostedOptimizer
 from tessera.parallel import data_parallel
 from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.tensor import align_grad_placements
-from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
 from tessera.runtime import Context, Engine, FlatEngine, Hooks, Meshes, PipelineEngine, ReplicasEngine
+from tessera.runtime.engine import inputs_and_target
+from tessera.runtime.optimizer import boost_optimizer
 
 
 class Booster:
@@ -119,15 +120,7 @@ class Booster:
         self._ctx.model = wrapped
         if optimizer is None:
             return wrapped, None
-        current = dict(data_parallel.unwrap(wrapped).named_parameters())
-        # Under pipeline parallelism a rank keeps only its stages' parameters.
-        groups = rebuild_optimizer(optimizer, lambda p: next((current[n] for n in names[id(p)] if n in current), None))
-        build = optimizer_factory(optimizer)
-        if self.plan.zero == 1:
-            inner = ShardedOptimizer(groups, build, self.engine.grad_group(), offload=self.plan.offload)
-        else:
-            inner = build(groups)
-        self._ctx.optimizer = BoostedOptimizer(inner, list(wrapped.parameters()), self.scaler)
+        self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
         return wrapped, self._ctx.optimizer
 
     @property
@@ -189,7 +182,7 @@ class Booster:
             >>> optimizer.step(); optimizer.zero_grad()
         """
         batch = next(data_iter) if isinstance(data_iter, Iterator) else data_iter
-        inputs, target = _inputs_and_target(batch)
+        inputs, target = inputs_and_target(batch)
         loss = self.engine.forward_backward(inputs, target, model, loss_fn)
         self._ctx.after_backward()
         return loss
@@ -252,19 +245,3 @@ class Booster:
             dist.all_gather_object(parts, out, group=group)
             out = {k: v for part in parts for k, v in part.items()}
         return out
-
-
-def _inputs_and_target(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, dict):
-        x = next((batch[k] for k in ("x", "input_ids") if k in batch), None)
-        y = next((batch[k] for k in ("y", "labels") if k in batch), None)
-        if x is not None and y is not None:
-            return x, y
-    keys = f" (keys: {', '.join(map(str, batch))})" if isinstance(batch, dict) else ""
-    raise PlanError(
-        f"execute_pipeline needs batches of (inputs, target) or dicts with 'x'/'input_ids' and 'y'/'labels', "
-        f"got {type(batch).__name__}{keys}."
-    )

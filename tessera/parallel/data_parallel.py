@@ -22,6 +22,10 @@ from tessera.distributed import accelerator_available
 from tessera.plan import Plan
 from tessera.precision import DTYPES
 
+# Gradient buckets: DDP's (its default size, set here explicitly) and the flat all-reduces Tessera
+# writes itself (replicas' per-layer sync); the cost model counts the same staging copy.
+BUCKET_BYTES = 25 * 2**20
+
 
 def uses_fsdp(plan: Plan) -> bool:
     return plan.zero >= 2
@@ -70,6 +74,7 @@ def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, d
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=mesh.get_group(),
             gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy
+            bucket_cap_mb=BUCKET_BYTES / 2**20,
         )
     mp = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.parallel.data_parallel import BUCKET_BYTES  # the flat copy each all-reduce needs stays this small
 from tessera.parallel.pipeline import stage_of, sum_flat_
 from tessera.parallel.policy import PipelineLayout
 from tessera.plan import Plan
-
-BUCKET_BYTES = 25 * 2**20  # like DDP's buckets: the flat copy each all-reduce needs stays this small
 
 
 @dataclass(frozen=True)

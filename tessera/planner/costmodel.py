@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera.cluster.spec import Link
+from tessera.parallel.data_parallel import BUCKET_BYTES  # DDP's bucket: the all-reduce's staging copy
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
     Layout,
@@ -57,7 +58,7 @@ from tessera.planner.layout import (
     optimizer_s,
 )
 
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket: the all-reduce's staging copy
+INFEASIBLE = float("inf")  # the step time of a layout that does not fit
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage
     if zero == 3:  # one block's parameters gathered, and the next one prefetched
         buffers = 2 * 4 * costs.parts["block"].params / layout.tp
     else:
-        buffers = min(4 * local, DDP_BUCKET_BYTES) if dp > 1 else 0.0
+        buffers = min(4 * local, BUCKET_BYTES) if dp > 1 else 0.0
     return params + grads + optim, activations, buffers
 
 

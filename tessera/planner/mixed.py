@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from tessera.cluster.spec import Cluster, Link
 from tessera.plan import PipelineSpec, Plan, Replica
-from tessera.planner.costmodel import device_memory, pipeline_s, replica_optimizer_s, replica_sync_s
+from tessera.planner.costmodel import INFEASIBLE, device_memory, pipeline_s, replica_optimizer_s, replica_sync_s
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, unit_of
 from tessera.planner.space import proportional_split, splits
@@ -46,7 +46,6 @@ from tessera.planner.space import proportional_split, splits
 DEPTH_LIMIT = 64  # depth combinations enumerated; above it, each pool's smallest depth that fits
 MAX_DEVICES = 64  # larger clusters are planned on the grid only (search time)
 SPLIT_LIMIT = 200
-INFEASIBLE = float("inf")
 RECOMPUTE = ("none", "full")
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
 from tessera.plan import PipelineSpec, Plan, grid_order
-from tessera.planner.costmodel import Estimate, device_memory, estimate, fits, stage_finish_s, step_time
+from tessera.planner.costmodel import INFEASIBLE, Estimate, device_memory, estimate, fits, stage_finish_s, step_time
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
     Layout,
@@ -69,7 +69,6 @@ from tessera.planner.space import (
     units_of,
 )
 
-INFEASIBLE = float("inf")
 # Below these counts the search enumerates instead of using heuristics.
 EXACT_BUDGET = 200_000  # share searches one (tp, pp) may spend on enumerating placements
 SPLIT_LIMIT = 200

@@ -4,7 +4,8 @@
   (tensor parallel → recompute → data parallel / ZeRO).
 - :mod:`.engine`: the protocol the Booster drives, and the per-step context.
 - :mod:`.flat`, :mod:`.pipelined`, :mod:`.replicated`: the engines.
-- :mod:`.hooks`: neutral hook points (emulation listens there), :mod:`.meshes`: the device meshes.
+- :mod:`.hooks`: neutral hook points (emulation listens there), :mod:`.meshes`: the device meshes,
+  :mod:`.optimizer`: the user's optimizer rebuilt on the laid-out parameters.
 """
 
 from tessera.runtime.engine import Context, Engine

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tessera import distributed
+from tessera.errors import PlanError
 from tessera.parallel import data_parallel
 from tessera.parallel.pipeline import check_microbatches
 from tessera.parallel.policy import Policy
@@ -119,3 +120,19 @@ def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module
             ctx.backward(loss / n)
         total += distributed.local(loss.detach()).float()
     return total / n
+
+
+def inputs_and_target(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict):
+        x = next((batch[k] for k in ("x", "input_ids") if k in batch), None)
+        y = next((batch[k] for k in ("y", "labels") if k in batch), None)
+        if x is not None and y is not None:
+            return x, y
+    keys = f" (keys: {', '.join(map(str, batch))})" if isinstance(batch, dict) else ""
+    raise PlanError(
+        f"execute_pipeline needs batches of (inputs, target) or dicts with 'x'/'input_ids' and 'y'/'labels', "
+        f"got {type(batch).__name__}{keys}."
+    )

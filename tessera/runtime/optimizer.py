@@ -1,0 +1,27 @@
+"""The user's optimizer, rebuilt for the laid-out model: same class and param groups on the new
+parameters (FSDP and tp replace them; a pipeline rank keeps only its stages'), sharded over the
+gradient group under ZeRO-1, wrapped in a :class:`~tessera.optim.wrapper.BoostedOptimizer`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
+from tessera.parallel import data_parallel
+from tessera.parallel.zero1 import ShardedOptimizer
+from tessera.runtime.engine import Context, Engine
+
+
+def boost_optimizer(
+    optimizer: torch.optim.Optimizer, wrapped: nn.Module, names: dict[int, list[str]], ctx: Context, engine: Engine
+) -> BoostedOptimizer:
+    """``optimizer`` over ``wrapped``'s parameters; ``names``: every name of each original parameter, by id."""
+    current = dict(data_parallel.unwrap(wrapped).named_parameters())
+    groups = rebuild_optimizer(optimizer, lambda p: next((current[n] for n in names[id(p)] if n in current), None))
+    build = optimizer_factory(optimizer)
+    if ctx.plan.zero == 1:
+        inner = ShardedOptimizer(groups, build, engine.grad_group(), offload=ctx.plan.offload)
+    else:
+        inner = build(groups)
+    return BoostedOptimizer(inner, list(wrapped.parameters()), ctx.scaler)
