@@ -102,8 +102,8 @@ def bubble_worker(sleep_s: float, reps: int) -> list[dict]:
     import torch.distributed as dist
 
     import tessera
+    from tessera.memory import SavedBytes
     from tessera.models import Llama, LlamaConfig
-    from tessera.planner.profile import SavedBytes
 
     out = []
     for schedule in SCHEDULES:

@@ -1,4 +1,5 @@
-"""Exact accounting of model-state bytes on this rank (tensors, not process RSS).
+"""Exact accounting of model-state bytes on this rank (tensors, not process RSS), and of the bytes
+autograd saves for backward (:class:`SavedBytes`: the profiler and the emulator count activations with it).
 
 Example:
     >>> n = model_state_bytes(model, optimizer)
@@ -7,7 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -75,3 +77,43 @@ def model_state_bytes(model: nn.Module, optimizer: Any | None = None) -> StateBy
     g_bytes = _bytes((local(p.grad) for p in params if p.grad is not None), seen)
     o_bytes = _bytes(_tensors(dict(_optimizer_state(optimizer))), seen) if optimizer is not None else 0
     return StateBytes(p_bytes, g_bytes, o_bytes)
+
+
+class SavedBytes:
+    """Live and peak bytes saved for backward while the context is open.
+
+    Example:
+        >>> counter = SavedBytes()
+        >>> with counter.track():
+        ...     loss = model(x).sum()
+        >>> counter.peak
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.live = 0
+        self.peak = 0
+        # Parameters and buffers that autograd saves (a matmul keeps its weight) cost no extra memory.
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+
+    @contextmanager
+    def track(self) -> Iterator[SavedBytes]:
+        counter = self
+
+        class Held:
+            def __init__(self, t: torch.Tensor) -> None:
+                # FSDP's gathered weights are parameters too (module parameters while a block runs), and
+                # are freed after it whatever autograd holds: not activations either.
+                shared = (
+                    isinstance(t, torch.nn.Parameter)
+                    or isinstance(t._base, torch.nn.Parameter)  # e.g. the transposed weight a matmul keeps
+                    or t.untyped_storage().data_ptr() in counter._exclude
+                )
+                self.t, self.n = t, 0 if shared else t.numel() * t.element_size()
+                counter.live += self.n
+                counter.peak = max(counter.peak, counter.live)
+
+            def __del__(self) -> None:
+                counter.live -= self.n
+
+        with torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.t):
+            yield self

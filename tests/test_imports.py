@@ -95,3 +95,13 @@ def test_no_import_cycles_even_through_function_local_imports() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_clusters_do_not_import_the_planner() -> None:
+    """The planner builds on cluster descriptions (and emulation plays them), never the reverse."""
+    wrong = {
+        m: sorted(d for d in deps if _inside(d, "tessera.planner"))
+        for m, deps in imports().items()
+        if _inside(m, "tessera.cluster")
+    }
+    assert not any(wrong.values()), f"cluster/ imports the planner: {wrong}"

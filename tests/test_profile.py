@@ -10,7 +10,8 @@ import torch
 from parity import build_model
 
 from tessera.cluster import CATALOG
-from tessera.planner.profile import Profile, SavedBytes, cached_profile, measure_links, profile_model, scale_profile
+from tessera.memory import SavedBytes
+from tessera.planner.profile import Profile, cached_profile, measure_links, profile_model, scale_profile
 from tessera.testing import run_ranks
 
 

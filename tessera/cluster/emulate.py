@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster
+from tessera.memory import SavedBytes, model_state_bytes
 from tessera.plan import Plan
 from tessera.runtime.hooks import Hooks
 
@@ -266,8 +267,6 @@ class Emulator:
     # --------------------------------------------------------------- memory
     def track_activations(self, params: Iterable[torch.Tensor]) -> None:
         """Count bytes saved for backward from now on, on this thread (parameters excluded)."""
-        from tessera.planner.profile import SavedBytes
-
         self._saved = SavedBytes(exclude=params)
         self._saved_hooks = self._saved.track()
         self._saved_hooks.__enter__()  # for the rest of the process: every forward is counted
@@ -276,8 +275,6 @@ class Emulator:
         """Raise if this rank's model state plus its peak saved activations since the last check do
         not fit the device; return the bytes counted. ``on_host``: the parts of the model state
         ("params", "grads", "optimizer") that offload keeps in host memory (here the CPU plays both)."""
-        from tessera.memory import model_state_bytes
-
         state = model_state_bytes(model, optimizer)
         activations = self._saved.peak if self._saved is not None else 0
         if self._saved is not None:

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,46 +30,7 @@ from torch import nn
 
 from tessera.cluster.catalog import DeviceType
 from tessera.cluster.detect import median_seconds
-
-
-class SavedBytes:
-    """Live and peak bytes saved for backward while the context is open.
-
-    Example:
-        >>> counter = SavedBytes()
-        >>> with counter.track():
-        ...     loss = model(x).sum()
-        >>> counter.peak
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self.live = 0
-        self.peak = 0
-        # Parameters and buffers that autograd saves (a matmul keeps its weight) cost no extra memory.
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-
-    @contextmanager
-    def track(self) -> Iterator[SavedBytes]:
-        counter = self
-
-        class Held:
-            def __init__(self, t: torch.Tensor) -> None:
-                # FSDP's gathered weights are parameters too (module parameters while a block runs), and
-                # are freed after it whatever autograd holds: not activations either.
-                shared = (
-                    isinstance(t, torch.nn.Parameter)
-                    or isinstance(t._base, torch.nn.Parameter)  # e.g. the transposed weight a matmul keeps
-                    or t.untyped_storage().data_ptr() in counter._exclude
-                )
-                self.t, self.n = t, 0 if shared else t.numel() * t.element_size()
-                counter.live += self.n
-                counter.peak = max(counter.peak, counter.live)
-
-            def __del__(self) -> None:
-                counter.live -= self.n
-
-        with torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.t):
-            yield self
+from tessera.memory import SavedBytes
 
 
 @dataclass
