@@ -6,6 +6,8 @@ changes the numbers cannot hide behind a Tessera reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,3 +190,23 @@ def check_cases(world: int, cases: list[tuple[str, dict, str, float | None]], gl
         except AssertionError as exc:
             failures.append(f"{name}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+def calls_worker(calls: dict[str, tuple[Any, tuple]]) -> dict[str, Any]:
+    """Run each named ``(function, args)`` call in turn on these ranks: one launch for many cases
+    (spawning ranks costs more than a case). A failing call names its case."""
+    out = {}
+    for name, (fn, args) in calls.items():
+        try:
+            out[name] = fn(*args)
+        except Exception as exc:
+            raise RuntimeError(f"case {name!r} failed: {type(exc).__name__}: {exc}") from exc
+    return out
+
+
+def run_shared(world: int, calls: dict[str, tuple[Any, tuple]]) -> dict[str, list[Any]]:
+    """Every rank's result of each named call, all run in one launch of ``world`` ranks."""
+    from tessera.testing import run_ranks
+
+    per_rank = run_ranks(calls_worker, world, calls, timeout_s=600)
+    return {name: [rank[name] for rank in per_rank] for name in calls}

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, loss_fn, make_optimizer, reference_run
+from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, loss_fn, make_optimizer, reference_run, run_shared
 
 import tessera
-from tessera.testing import run_ranks
 
 MICRO = 4
 
@@ -42,15 +41,17 @@ class _nullcontext:
         return None
 
 
-@pytest.mark.parametrize("preset", ["ddp", "zero1", "zero2", "zero3"])
-def test_no_sync_accumulation_equals_big_batch(preset: str) -> None:
-    plan = {
-        "ddp": tessera.DDP(),
-        "zero1": tessera.ZeRO(stage=1),
-        "zero2": tessera.ZeRO(stage=2),
-        "zero3": tessera.ZeRO(stage=3, dp_shares=(3, 1)),
-    }[preset]
-    got = run_ranks(accumulate_worker, 2, plan.to_dict())[0]
+ACCUMULATE = {
+    "ddp": tessera.DDP(),
+    "zero1": tessera.ZeRO(stage=1),
+    "zero2": tessera.ZeRO(stage=2),
+    "zero3": tessera.ZeRO(stage=3, dp_shares=(3, 1)),
+}
+
+
+@pytest.mark.parametrize("preset", list(ACCUMULATE))
+def test_no_sync_accumulation_equals_big_batch(preset: str, two_ranks: dict) -> None:
+    got = two_ranks[f"accumulate-{preset}"][0]
     want = reference_run("llama", GLOBAL_BATCH_DEFAULT * MICRO, 2)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
     for k, v in want["params"].items():
@@ -63,22 +64,23 @@ def low_precision_worker(plan_dict: dict, steps: int) -> dict:
     return tessera_run(plan_dict, "llama", GLOBAL_BATCH_DEFAULT, steps)
 
 
-@pytest.mark.parametrize(
-    "precision,plan",
-    [
-        ("bf16", tessera.Plan(zero=0, precision="bf16")),
-        ("bf16", tessera.Plan(zero=3, precision="bf16")),
-        ("fp16", tessera.Plan(zero=0, precision="fp16")),
-        ("fp16", tessera.Plan(zero=3, precision="fp16")),
-        ("bf16", tessera.Hybrid(pp=2, microbatches=2, precision="bf16")),  # scaling inside the schedule
-        ("fp16", tessera.Hybrid(pp=2, microbatches=2, precision="fp16")),
-    ],
-    ids=["bf16-ddp", "bf16-zero3", "fp16-ddp", "fp16-zero3", "bf16-pp2", "fp16-pp2"],
-)
-def test_low_precision_tracks_fp32(precision: str, plan: tessera.Plan) -> None:
-    steps = 3
+LOW_PRECISION = {
+    "bf16-ddp": ("bf16", tessera.Plan(zero=0, precision="bf16")),
+    "bf16-zero3": ("bf16", tessera.Plan(zero=3, precision="bf16")),
+    "fp16-ddp": ("fp16", tessera.Plan(zero=0, precision="fp16")),
+    "fp16-zero3": ("fp16", tessera.Plan(zero=3, precision="fp16")),
+    "bf16-pp2": ("bf16", tessera.Hybrid(pp=2, microbatches=2, precision="bf16")),  # scaling inside the schedule
+    "fp16-pp2": ("fp16", tessera.Hybrid(pp=2, microbatches=2, precision="fp16")),
+}
+LOW_PRECISION_STEPS = 3
+
+
+@pytest.mark.parametrize("case", list(LOW_PRECISION))
+def test_low_precision_tracks_fp32(case: str, two_ranks: dict) -> None:
+    precision, plan = LOW_PRECISION[case]
+    steps = LOW_PRECISION_STEPS
     zero = plan.zero
-    got = run_ranks(low_precision_worker, 2, plan.to_dict(), steps)[0]
+    got = two_ranks[f"low-{case}"][0]
     want = reference_run("llama", GLOBAL_BATCH_DEFAULT, steps)
     # Losses within bf16/fp16 rounding of fp32 ...
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=2e-2, atol=0)
@@ -110,12 +112,14 @@ def pipeline_accumulation_worker(plan_dict: dict) -> dict:
     return {"losses": losses, "params": booster.full_state_dict(model)}
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_accumulating_pipeline_steps_equals_big_batch(zero: int) -> None:
+PIPELINE_ZERO = (0, 2)
+
+
+@pytest.mark.parametrize("zero", PIPELINE_ZERO)
+def test_accumulating_pipeline_steps_equals_big_batch(zero: int, four_ranks: dict) -> None:
     """Gradients accumulated over execute_pipeline calls are not rescaled again (torch's own
     scale_grads would divide the accumulated sum after every call)."""
-    plan = tessera.Hybrid(pp=2, microbatches=2, zero=zero).to_dict()
-    got = run_ranks(pipeline_accumulation_worker, 4, plan)[0]
+    got = four_ranks[f"pipeline-zero{zero}"][0]
     want = reference_run("llama:4", 2 * GLOBAL_BATCH_DEFAULT, 2)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
     for k, v in want["params"].items():
@@ -152,9 +156,12 @@ def overflow_worker(plan_dict: dict) -> dict:
     return {"before": before, "after": after}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_fp16_overflow_skips_step_and_halves_scale(zero: int) -> None:
-    results = run_ranks(overflow_worker, 2, tessera.Plan(zero=zero, precision="fp16").to_dict())
+OVERFLOW_ZERO = (0, 1, 3)
+
+
+@pytest.mark.parametrize("zero", OVERFLOW_ZERO)
+def test_fp16_overflow_skips_step_and_halves_scale(zero: int, two_ranks: dict) -> None:
+    results = two_ranks[f"overflow-zero{zero}"]
     for rank, res in enumerate(results):
         before, after = res["before"], res["after"]
         assert before["skipped"] == 0, f"rank {rank}: the first (clean) fp16 step was skipped"
@@ -163,3 +170,21 @@ def test_fp16_overflow_skips_step_and_halves_scale(zero: int) -> None:
         assert after["adam_steps"] == before["adam_steps"], "optimizer state moved on an overflow step"
         for k, v in before["params"].items():
             assert torch.equal(after["params"][k], v), f"rank {rank}: {k} changed on an overflow step"
+
+
+# Every 2-rank case of this file in one launch, the 4-rank ones in another (spawning ranks costs
+# more than a case).
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    calls = {f"accumulate-{name}": (accumulate_worker, (plan.to_dict(),)) for name, plan in ACCUMULATE.items()}
+    for name, (_, plan) in LOW_PRECISION.items():
+        calls[f"low-{name}"] = (low_precision_worker, (plan.to_dict(), LOW_PRECISION_STEPS))
+    for zero in OVERFLOW_ZERO:
+        calls[f"overflow-zero{zero}"] = (overflow_worker, (tessera.Plan(zero=zero, precision="fp16").to_dict(),))
+    return run_shared(2, calls)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict:
+    plans = {f"pipeline-zero{z}": tessera.Hybrid(pp=2, microbatches=2, zero=z).to_dict() for z in PIPELINE_ZERO}
+    return run_shared(4, {name: (pipeline_accumulation_worker, (plan,)) for name, plan in plans.items()})

@@ -6,12 +6,11 @@ import functools
 
 import pytest
 import torch
-from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, global_batches, loss_fn
+from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, global_batches, loss_fn, run_shared
 
 import tessera
 from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
-from tessera.testing import run_ranks
 
 STEPS = 3
 OPTIMIZERS = {
@@ -68,20 +67,34 @@ def sharded_worker(name: str, plan_dict: dict) -> dict:
     return {"losses": losses, "params": state if dist.get_rank() == 0 else None}
 
 
-@pytest.mark.parametrize(
-    "plan,world",
-    [
-        (tessera.ZeRO(stage=3), 2),
-        (tessera.ZeRO(stage=3), 4),
-        (tessera.ZeRO(stage=1), 2),
-        (tessera.ZeRO(stage=3, dp_shares=(3, 1)), 2),
-        (tessera.Hybrid(tp=2, zero=1), 4),  # pieces of tp shards: norms summed over dp and tp
-    ],
-    ids=["zero3x2", "zero3x4", "zero1x2", "zero3-shares3-1", "zero1-dp2xtp2"],
-)
+LAYOUTS = {
+    "zero3x2": (tessera.ZeRO(stage=3), 2),
+    "zero3x4": (tessera.ZeRO(stage=3), 4),
+    "zero1x2": (tessera.ZeRO(stage=1), 2),
+    "zero3-shares3-1": (tessera.ZeRO(stage=3, dp_shares=(3, 1)), 2),
+    "zero1-dp2xtp2": (tessera.Hybrid(tp=2, zero=1), 4),  # pieces of tp shards: norms summed over dp and tp
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """Every (optimizer, layout) case, one launch per world size (spawning ranks costs more than a case)."""
+    out = {}
+    for world in sorted({w for _, w in LAYOUTS.values()}):
+        calls = {
+            f"{name}-{layout}": (sharded_worker, (name, plan.to_dict()))
+            for layout, (plan, w) in LAYOUTS.items()
+            if w == world
+            for name in OPTIMIZERS
+        }
+        out.update(run_shared(world, calls))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_sharded_layerwise_optimizer_equals_single_process(name: str, plan: tessera.Plan, world: int) -> None:
-    got = run_ranks(sharded_worker, world, name, plan.to_dict())[0]
+def test_sharded_layerwise_optimizer_equals_single_process(name: str, layout: str, results: dict) -> None:
+    got = results[f"{name}-{layout}"][0]
     want = reference(name)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
     for k, v in want["params"].items():

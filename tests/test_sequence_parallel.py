@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import GLOBAL_BATCH_DEFAULT, check_cases
+from parity import GLOBAL_BATCH_DEFAULT, check_cases, run_shared
 
 import tessera
-from tessera.testing import run_ranks
 
 
 def ulysses_worker(heads: int, kv_heads: int) -> dict:
@@ -41,9 +40,12 @@ def ulysses_worker(heads: int, kv_heads: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa-fewer-kv-than-ranks"])
-def test_ulysses_attention_equals_full_attention(heads: int, kv_heads: int) -> None:
-    for rank, result in enumerate(run_ranks(ulysses_worker, 2, heads, kv_heads)):
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa-fewer-kv-than-ranks": (4, 1)}
+
+
+@pytest.mark.parametrize("case", list(HEADS))
+def test_ulysses_attention_equals_full_attention(case: str, two_ranks: dict) -> None:
+    for rank, result in enumerate(two_ranks[f"ulysses-{case}"]):
         for name, (got, want) in result.items():
             torch.testing.assert_close(
                 got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
@@ -64,8 +66,8 @@ def heads_not_dividing_worker() -> str:
     return "no error"
 
 
-def test_heads_not_dividing_sp_is_a_clear_error() -> None:
-    assert "3 attention heads do not divide by sp=2" in run_ranks(heads_not_dividing_worker, 2)[0]
+def test_heads_not_dividing_sp_is_a_clear_error(two_ranks: dict) -> None:
+    assert "3 attention heads do not divide by sp=2" in two_ranks["heads-not-dividing"][0]
 
 
 KINDS = ("llama", "hf_llama", "hf_qwen2")
@@ -126,10 +128,22 @@ def split_gather_shapes_worker(kind: str) -> dict:
     return {"norm_seq": seen, "logits_seq": local(getattr(logits, "logits", logits)).shape[1]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf_llama", "gpt2"])
-def test_split_gather_norms_see_a_sequence_shard(kind: str) -> None:
+SHAPE_KINDS = ("llama", "hf_llama", "gpt2")
+
+
+@pytest.mark.parametrize("kind", SHAPE_KINDS)
+def test_split_gather_norms_see_a_sequence_shard(kind: str, two_ranks: dict) -> None:
     from parity import SEQ
 
-    got = run_ranks(split_gather_shapes_worker, 2, kind)[0]
+    got = two_ranks[f"shapes-{kind}"][0]
     assert got["norm_seq"] == [SEQ // 2, SEQ // 2], got  # block norm and final norm: half the tokens each
     assert got["logits_seq"] == SEQ  # the head gathers the sequence back
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """The small 2-rank checks of this file, in one launch (spawning ranks costs more than a check)."""
+    calls = {f"ulysses-{case}": (ulysses_worker, heads) for case, heads in HEADS.items()}
+    calls["heads-not-dividing"] = (heads_not_dividing_worker, ())
+    calls.update({f"shapes-{kind}": (split_gather_shapes_worker, (kind,)) for kind in SHAPE_KINDS})
+    return run_shared(2, calls)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import GLOBAL_BATCH_DEFAULT, build_model, check_cases
+from parity import GLOBAL_BATCH_DEFAULT, build_model, check_cases, run_shared
 from torch import nn
 
 import tessera
-from tessera.testing import run_ranks
 
 
 def linear_worker(style: str) -> dict:
@@ -43,8 +42,8 @@ def linear_worker(style: str) -> dict:
 
 
 @pytest.mark.parametrize("style", ["colwise", "rowwise"])
-def test_parallel_linear_equals_dense(style: str) -> None:
-    for rank_result in run_ranks(linear_worker, 2, style):
+def test_parallel_linear_equals_dense(style: str, two_ranks: dict) -> None:
+    for rank_result in two_ranks[f"linear-{style}"]:
         for name, (got, want) in rank_result.items():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{style} {n}: {m}")
 
@@ -85,8 +84,8 @@ def vocab_parallel_worker() -> dict:
     }
 
 
-def test_vocab_parallel_embedding_and_cross_entropy_equal_dense() -> None:
-    for rank_result in run_ranks(vocab_parallel_worker, 2):
+def test_vocab_parallel_embedding_and_cross_entropy_equal_dense(two_ranks: dict) -> None:
+    for rank_result in two_ranks["vocab"]:
         for name, (got, want) in rank_result.items():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -106,6 +105,9 @@ def test_tp2_training_equals_single_process() -> None:
     check_cases(2, cases, GLOBAL_BATCH_DEFAULT, 3)
 
 
+LOGITS_KINDS = ("llama", "hf_llama")
+
+
 def logits_layout_worker(kind: str) -> str:
     from parity import SEQ
 
@@ -116,11 +118,11 @@ def logits_layout_worker(kind: str) -> str:
     return f"{type(logits).__name__} {logits.placements} local {tuple(logits.to_local().shape)}"
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf_llama"])
-def test_loss_parallel_never_gathers_the_logits(kind: str) -> None:
+@pytest.mark.parametrize("kind", LOGITS_KINDS)
+def test_loss_parallel_never_gathers_the_logits(kind: str, two_ranks: dict) -> None:
     from parity import SEQ, VOCAB
 
-    got = run_ranks(logits_layout_worker, 2, kind)[0]
+    got = two_ranks[f"logits-{kind}"][0]
     assert got == f"DTensor (Shard(dim=2),) local (2, {SEQ}, {VOCAB // 2})", got
 
 
@@ -160,8 +162,8 @@ def test_tp_that_does_not_divide_heads_is_refused() -> None:
         policy_for(model).check_tp(model, 2)
 
 
-def test_model_without_a_policy_names_the_policies() -> None:
-    message = run_ranks(bad_tp_worker, 2, tessera.Hybrid(tp=2).to_dict())[0]
+def test_model_without_a_policy_names_the_policies(two_ranks: dict) -> None:
+    message = two_ranks["no-policy"][0]
     assert "no policy for Sequential" in message and "Hugging Face GPT-2" in message, message
 
 
@@ -199,8 +201,19 @@ def dropout_worker(plan_dict: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-split_gather"])
-def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks(sp: bool) -> None:
+def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks(sp: bool, two_ranks: dict) -> None:
     """With dropout on, every tp rank must drop the same elements of replicated activations, or
     the replicated parameters (norms, biases, positions) silently drift apart between ranks."""
-    plan = tessera.Hybrid(tp=2, sp="split_gather" if sp else 1).to_dict()
-    assert run_ranks(dropout_worker, 2, plan)[0] == []
+    assert two_ranks[f"dropout-sp{sp}"][0] == []
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """The small 2-rank checks of this file, in one launch (spawning ranks costs more than a check)."""
+    calls = {f"linear-{style}": (linear_worker, (style,)) for style in ("colwise", "rowwise")}
+    calls["vocab"] = (vocab_parallel_worker, ())
+    calls.update({f"logits-{kind}": (logits_layout_worker, (kind,)) for kind in LOGITS_KINDS})
+    calls["no-policy"] = (bad_tp_worker, (tessera.Hybrid(tp=2).to_dict(),))
+    for sp in (False, True):
+        calls[f"dropout-sp{sp}"] = (dropout_worker, (tessera.Hybrid(tp=2, sp="split_gather" if sp else 1).to_dict(),))
+    return run_shared(2, calls)
