@@ -52,8 +52,8 @@ from tessera.checkpoint_readers import (
     refusal_inside,
 )
 from tessera.data.sharding import map_tensors
+from tessera.errors import RuntimeFault
 from tessera.parallel.zero1 import ShardedOptimizer
-from tessera.train.failures import RuntimeFault
 
 
 def _dir_name(step: int) -> str:
@@ -157,7 +157,7 @@ def save_checkpoint(
     """Write a checkpoint of ``step`` under ``root`` on every rank; keep the newest ``keep`` of this run
     (``meta["run_id"]``); another run's checkpoints are never touched.
 
-    A full disk removes the partial checkpoint and raises :class:`~tessera.train.failures.RuntimeFault`:
+    A full disk removes the partial checkpoint and raises :class:`~tessera.errors.RuntimeFault`:
     the previous checkpoint stays intact.
     """
     root = Path(root)

@@ -17,6 +17,10 @@ class NotSupportedYet(PlanError):
     """A Plan field asks for a feature that has not landed yet."""
 
 
+class RuntimeFault(RuntimeError):
+    """A fault of the machine rather than the input (disk full while saving, ...); the message says what to do."""
+
+
 def nearest(name: str, valid: Iterable[str]) -> str:
     """Return ' (did you mean "x"?)' for the closest valid name, or ''."""
     match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)

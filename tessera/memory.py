@@ -122,10 +122,10 @@ class SavedBytes:
 def release_free_heap() -> bool:
     """Give the C heap's free pages back to the OS (glibc ``malloc_trim``); False where there is none.
 
-    A training step allocates and frees many differently sized buffers; glibc keeps the freed
-    ones, so resident memory creeps up over thousands of steps while the heap in use stays flat
-    (the soak benchmark measured ~20 MiB over 2,000 steps on one rank). Trimming now and then
-    holds it flat; it takes about a millisecond.
+    A training step allocates and frees many differently sized buffers, and glibc keeps the freed
+    ones: on a lone rank resident memory crept up ~20 MiB over 2,000 steps while the heap in use
+    stayed nearly flat, and trimming every 200 steps held it flat (docs/benchmarks.md, soak). It
+    takes about 0.4 ms.
     """
     try:
         import ctypes

@@ -43,7 +43,11 @@ SP_MODES = ("split_gather", "all_to_all")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-MAX_SIZE = 1 << 20  # ranks along one axis: bounds what a typo (an extra zero) asks for
+# Upper bounds: what a typo (an extra zero) may ask for. tp/sp and pp keep the limits the
+# config had before it took the Plan's own schema (a head count, a layer count).
+MAX_SIZE = 1 << 20  # data-parallel ranks
+MAX_GROUP = 1 << 16  # tensor- or sequence-parallel ranks
+MAX_STAGES = 1024  # pipeline ranks (every stage needs a layer)
 MAX_COUNT = 1 << 24  # micro-batches, shares
 
 
@@ -296,8 +300,9 @@ class Plan:
             object.__setattr__(self, "replicas", _replicas_from(self.replicas))
         if self.dp is not None:
             _check_int("dp", self.dp)
-        for name in ("tp", "pp", "sp"):
-            _check_int(name, getattr(self, name))
+        _check_int("tp", self.tp, maximum=MAX_GROUP)
+        _check_int("pp", self.pp, maximum=MAX_STAGES)
+        _check_int("sp", self.sp, maximum=MAX_GROUP)
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or not 0 <= self.zero <= 3:
             raise PlanError(f"Plan.zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}.")
         if not isinstance(self.offload, bool):

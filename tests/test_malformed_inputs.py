@@ -86,6 +86,8 @@ WRONG_TYPES = [
     ("plan.zero", True, "plan.zero"),
     ("plan.zero", 1.0, "plan.zero"),
     ("plan.tp", 0, "plan.tp"),
+    ("plan.tp", 1 << 17, "plan.tp"),
+    ("plan.pp", 2048, "plan.pp"),
     ("plan.pp", "2", "plan.pp"),
     ("plan.microbatches", 0, "plan.microbatches"),
     ("plan.stages", 5, "plan.stages"),

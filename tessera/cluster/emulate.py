@@ -332,8 +332,8 @@ class EmulationHooks(Hooks):
         self._bound()[0].slow_links(wrapped, self._devices(ranks))
 
     def on_stage(self, stage: nn.Module, previous_rank: int | None, next_rank: int | None) -> None:
-        plan = self._bound()[1]
-        self._bound()[0].slow_transfers(
+        emulator, plan = self._bound()
+        emulator.slow_transfers(
             stage,
             plan.device_of(previous_rank) if previous_rank is not None else None,
             plan.device_of(next_rank) if next_rank is not None else None,

@@ -56,8 +56,16 @@ def _autocast_forward(model: nn.Module, device: torch.device, dtype: torch.dtype
     model.forward = torch.autocast(device_type=device.type, dtype=dtype)(forward)  # type: ignore[method-assign]
 
 
-def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh; None under Plan.replicas)."""
+def apply_data_parallel(
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    blocks: list[nn.Module] | None = None,
+) -> nn.Module:
+    """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh; None under
+    Plan.replicas); ``blocks``: its :func:`repeated_blocks`, when the caller has them already."""
+    blocks = blocks if blocks is not None else repeated_blocks(model)
     dtype = DTYPES[plan.precision]
     if not uses_fsdp(plan):
         model.to(device)
@@ -68,7 +76,7 @@ def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, d
         if plan.replicas is not None:  # averaged per layer over its holders (replicas.LayerSync)
             return model
         if plan.tp > 1:
-            return _replicate(model, mesh)
+            return _replicate(model, mesh, blocks)
         return DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -85,20 +93,20 @@ def apply_data_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh | None, d
     reshard = plan.zero == 3
     if not plan.offload:
         model.to(device)
-    for block in repeated_blocks(model):
+    for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     return model
 
 
-def _replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def _replicate(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module]) -> nn.Module:
     """DDP for tensor-parallel (DTensor) parameters, which torch's DDP cannot hold: torch's
     FSDP2-based ``replicate`` over the dp mesh, one unit per block so reductions overlap backward."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     if mesh.size() == 1:
         return model  # nothing to synchronise
-    for block in repeated_blocks(model):
+    for block in blocks:
         replicate(block, mesh=mesh)
     replicate(model, mesh=mesh)
     return model

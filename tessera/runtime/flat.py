@@ -17,7 +17,7 @@ class FlatEngine(Engine):
         if plan.tp > 1:
             ctx.require_policy("tensor parallelism").check_tp(model, plan.tp)  # before any group is created
         if plan.ulysses_size > 1:
-            enable_ulysses(model, plan, ctx.meshes, ctx.require_policy("Ulysses sequence parallelism"))
+            enable_ulysses(model, ctx.meshes, ctx.require_policy("Ulysses sequence parallelism"))
         return parallelize(model, plan, ctx.meshes, ctx.policy, ctx.hooks, ctx.device)
 
     def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:

@@ -44,15 +44,16 @@ def parallelize(
         apply_tensor_parallel(
             module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
-    apply_recompute(data_parallel.repeated_blocks(module), plan.recompute)
-    wrapped = data_parallel.apply_data_parallel(module, plan, meshes.grad if meshes else None, device)
+    blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
+    apply_recompute(blocks, plan.recompute)
+    wrapped = data_parallel.apply_data_parallel(module, plan, meshes.grad if meshes else None, device, blocks)
     if meshes is not None and data_parallel.uses_fsdp(plan):
-        hooks.on_sharded(module, data_parallel.repeated_blocks(module), meshes.grad_ranks())
+        hooks.on_sharded(module, blocks, meshes.grad_ranks())
     elif meshes is not None and isinstance(wrapped, DistributedDataParallel):
         hooks.on_replicated(wrapped, meshes.grad_ranks())
     return wrapped
 
 
-def enable_ulysses(model: nn.Module, plan: Plan, meshes: Meshes, policy: Policy) -> None:
+def enable_ulysses(model: nn.Module, meshes: Meshes, policy: Policy) -> None:
     """Route ``model``'s attention through the Ulysses all-to-all over the ``sp`` axis."""
     policy.enable_ulysses(model, meshes.group("sp"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -18,8 +18,31 @@ from tessera.parallel.pipeline import (
     split_model,
     stage_owners,
 )
-from tessera.runtime.engine import Engine, LossFn
+from tessera.runtime.engine import Context, Engine, LossFn
+from tessera.runtime.hooks import Hooks
 from tessera.runtime.parallelize import enable_ulysses, parallelize
+
+
+def announce_stages(
+    hooks: Hooks, stages: list[tuple[int, nn.Module]], ranks: Sequence[int], n_stages: int, schedule: str
+) -> None:
+    """Tell ``hooks`` the neighbours of each of this rank's ``(index, stage)``; ``ranks``: the
+    pipeline's global ranks in pipeline order, over which ``schedule`` places ``n_stages`` stages."""
+    owner = stage_owners(len(ranks), n_stages, schedule)
+    for i, stage in stages:
+        previous = ranks[owner[i - 1]] if i > 0 else None
+        following = ranks[owner[i + 1]] if i + 1 < n_stages else None
+        hooks.on_stage(stage, previous, following)
+
+
+def run_schedule(
+    ctx: Context, runner: PipelineRunner, inputs: Any, target: torch.Tensor, loss_fn: LossFn
+) -> torch.Tensor:
+    """One batch through the pipeline schedule, each micro-batch loss weighted by this rank's share
+    and the fp16 loss scale."""
+    factor = ctx.loss_weight * (ctx.scaler.scale if ctx.scaler is not None else 1.0)
+    with ctx.loss_parallel():
+        return runner.step(inputs, target, loss_fn, factor)
 
 
 class PipelineEngine(Engine):
@@ -33,31 +56,22 @@ class PipelineEngine(Engine):
         ranges = plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), plan.pp)
         sp_group = ctx.meshes.group("sp") if plan.ulysses_size > 1 else None
         if sp_group is not None:  # on the whole model: attention modules and config are shared with the stages
-            enable_ulysses(model, plan, ctx.meshes, policy)
+            enable_ulysses(model, ctx.meshes, policy)
         stages = split_model(model, layout, ranges, plan.pipeline.schedule, plan.pp, pp_mesh.get_local_rank())
         for _, stage in stages:
             stage.sp_group = sp_group  # positions start at this rank's sequence offset
             parallelize(stage, plan, ctx.meshes, policy, ctx.hooks, ctx.device, model=model)
         pp_ranks = dist.get_process_group_ranks(pp_mesh.get_group())
-        n_stages = len(ranges)
-        owner = stage_owners(len(pp_ranks), n_stages, plan.pipeline.schedule)
-        for i, stage in stages:
-            ctx.hooks.on_stage(
-                stage,
-                pp_ranks[owner[i - 1]] if i > 0 else None,
-                pp_ranks[owner[i + 1]] if i + 1 < n_stages else None,
-            )
+        announce_stages(ctx.hooks, stages, pp_ranks, len(ranges), plan.pipeline.schedule)
         pipeline_model = PipelineModel(stages)
         tied = [n for n in names if len(n) > 1]
         self.tied = TiedWeights(tied, pipeline_model, layout, ranges, plan.pipeline.schedule, ctx.meshes.mesh)
-        self.runner = PipelineRunner(pipeline_model, plan.pipeline, n_stages, pp_mesh.get_group(), ctx.device)
+        self.runner = PipelineRunner(pipeline_model, plan.pipeline, len(ranges), pp_mesh.get_group(), ctx.device)
         return pipeline_model
 
     def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
         ctx = self.ctx
-        factor = ctx.loss_weight * (ctx.scaler.scale if ctx.scaler is not None else 1.0)
-        with ctx.loss_parallel():
-            loss = self.runner.step(inputs, target, loss_fn, factor)
+        loss = run_schedule(ctx, self.runner, inputs, target, loss_fn)
         self.tied.sync()
         if not data_parallel.uses_fsdp(ctx.plan):  # FSDP reduce-scatters inside the schedule
             params, group = list(model.parameters()), ctx.meshes.grad.get_group()

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.errors import PlanError
-from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model, stage_owners
+from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model
 from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
 from tessera.runtime.engine import Context, Engine, LossFn, accumulate
 from tessera.runtime.parallelize import parallelize
+from tessera.runtime.pipelined import announce_stages, run_schedule
 
 
 class ReplicasEngine(Engine):
@@ -51,12 +52,7 @@ class ReplicasEngine(Engine):
                 model, layout, replica.stages, plan.pipeline.schedule, replica.depth, self.replica.stage
             )
             local, stages = PipelineModel(split), [stage for _, stage in split]
-            ranks, depth = self.replica.ranks, replica.depth
-            owner = stage_owners(len(ranks), depth, plan.pipeline.schedule)
-            for i, stage in split:
-                ctx.hooks.on_stage(
-                    stage, ranks[owner[i - 1]] if i > 0 else None, ranks[owner[i + 1]] if i + 1 < depth else None
-                )
+            announce_stages(ctx.hooks, split, self.replica.ranks, replica.depth, plan.pipeline.schedule)
         for stage in stages:  # no grid, no wrapper: precision and recompute only
             parallelize(stage, plan, None, ctx.policy, ctx.hooks, ctx.device, model=model)
         if replica.depth > 1:
@@ -71,9 +67,7 @@ class ReplicasEngine(Engine):
         if self.runner is None:
             loss = accumulate(ctx, inputs, target, model, loss_fn)
         else:
-            factor = ctx.loss_weight * (ctx.scaler.scale if ctx.scaler is not None else 1.0)
-            with ctx.loss_parallel():
-                loss = self.runner.step(inputs, target, loss_fn, factor)
+            loss = run_schedule(ctx, self.runner, inputs, target, loss_fn)
         self.layer_sync.sync()
         return loss
 

@@ -26,6 +26,11 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tessera.checkpoint_readers import CheckpointError
+from tessera.errors import PlanError, RuntimeFault
+from tessera.inputs import InputError
+from tessera.train.config import ConfigError
+
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_COLLECTIVE_TIMEOUT = 3
@@ -38,10 +43,6 @@ PEER_LOST = "lost the connection to another rank in a collective"
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time: a peer died, hung or never arrived."""
-
-
-class RuntimeFault(RuntimeError):
-    """A fault of the machine rather than the input (disk full while saving, ...); the message says what to do."""
 
 
 @dataclass
@@ -57,14 +58,7 @@ class RankReport:
     peer_lost: bool = False  # the error is that another rank's connection closed: that rank died first
 
 
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    # Imported when a rank fails, not when the launcher starts: the launcher never loads torch.
-    from tessera.checkpoint_readers import CheckpointError
-    from tessera.errors import PlanError
-    from tessera.inputs import InputError
-    from tessera.train.config import ConfigError
-
-    return (ConfigError, PlanError, CheckpointError, InputError, FileNotFoundError)
+BAD_INPUT = (ConfigError, PlanError, CheckpointError, InputError, FileNotFoundError)
 
 
 def classify(exc: BaseException) -> tuple[int, str]:
@@ -75,7 +69,7 @@ def classify(exc: BaseException) -> tuple[int, str]:
         return EXIT_COLLECTIVE_TIMEOUT, str(exc)
     if isinstance(exc, RuntimeFault):
         return EXIT_RUNTIME_FAULT, str(exc)
-    if isinstance(exc, _bad_input_types()):
+    if isinstance(exc, BAD_INPUT):
         return EXIT_BAD_INPUT, str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f" writing '{exc.filename}'" if exc.filename else ""

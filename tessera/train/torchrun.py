@@ -58,10 +58,10 @@ class _BoundC10dBackend(C10dRendezvousBackend):
 
 def bound_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's c10d rendezvous handler over a store that listens on the endpoint address only."""
-    if params.get("store_type", "tcp").strip().lower() != "tcp":  # a file store has no socket
-        backend, store = create_backend(params)
-        return create_handler(store, backend, params)
-    store = _rendezvous_store(params)
+    if params.get("store_type", "tcp").strip().lower() != "tcp":  # a file store has no socket: torch's own
+        _, store = create_backend(params)
+    else:
+        store = _rendezvous_store(params)
     return create_handler(store, _BoundC10dBackend(store, params.run_id), params)
 
 
