@@ -128,6 +128,10 @@ def _train(args: argparse.Namespace) -> int:
 
         Cluster.load(args.emulate)
         os.environ["TESSERA_EMULATE"] = str(Path(args.emulate).resolve())
+    if args.testbed and (args.emulate or args.nnodes > 1 or args.rdzv_endpoint):
+        raise ValueError(
+            "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
+        )
     cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite)
     rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank
@@ -144,7 +148,24 @@ def _train(args: argparse.Namespace) -> int:
         rdzv_id=args.rdzv_id,
         local_addr=args.local_addr,
     )
+    if args.testbed:
+        return _launch_on_testbed(job, cfg, args.testbed, args.testbed_cpus)
     return launch(job)
+
+
+def _launch_on_testbed(job, cfg, cluster_file: str, cpus: float | None) -> int:
+    """Launch ``job`` with each rank in the CPU cgroup and network namespace of the device it plays."""
+    from tessera.cluster.spec import Cluster
+    from tessera.testbed import Testbed
+    from tessera.train.config import plan_from_config
+    from tessera.train.launch import launch
+
+    cluster = Cluster.load(cluster_file)
+    plan = plan_from_config(cfg.plan).resolve(job.nproc)
+    with Testbed(cluster, [plan.device_of(r) for r in range(job.nproc)], cpus, plan.precision) as bed:
+        print(bed.describe(), file=sys.stderr)
+        job.testbed_seats, job.testbed_master_addr = bed.seats_file, bed.master_addr
+        return launch(job)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -211,6 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--max-restarts", type=_count(0), default=0, help="torchrun restarts after a rank fails")
     train.add_argument("--emulate", help="a cluster file whose devices the local ranks play (slowed, memory-checked)")
+    train.add_argument(
+        "--testbed",
+        metavar="CLUSTER",
+        help="a cluster file played for real here (root): each rank in a CPU cgroup at its device's speed, "
+        "each node a network namespace with shaped links",
+    )
+    train.add_argument(
+        "--testbed-cpus",
+        type=float,
+        help="cores for all testbed ranks together (default: this machine's less a third of a core)",
+    )
+    testbed = sub.add_parser("testbed", help="the one-machine testbed's housekeeping")
+    testbed_sub = testbed.add_subparsers(dest="testbed_command", required=True)
+    testbed_sub.add_parser("clean", help="remove cgroups and namespaces left by a testbed whose launcher was killed")
     plan = sub.add_parser("plan", help="plan a model on a cluster, or check a Plan file")
     plan.add_argument("--model", help="a training config (its model:, data.seq_len and plan.precision are read)")
     plan.add_argument("--cluster", help="a cluster file (tessera cluster detect writes one)")
@@ -241,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "cluster":
             return _cluster(args)
+        if args.command == "testbed":
+            from tessera.testbed import clean_stale
+
+            removed = clean_stale()
+            print(f"removed {len(removed)} stale testbed(s){': ' + ', '.join(removed) if removed else ''}")
+            return 0
         if args.command == "train":
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")

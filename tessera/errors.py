@@ -21,6 +21,13 @@ class RuntimeFault(RuntimeError):
     """A fault of the machine rather than the input (disk full while saving, ...); the message says what to do."""
 
 
+class TestbedError(ValueError):
+    """The one-machine testbed cannot be set up here (not root, no cgroup cpu controller, no iproute2,
+    a cluster it cannot play); the message says why and what to use instead."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+
 def nearest(name: str, valid: Iterable[str]) -> str:
     """Return ' (did you mean "x"?)' for the closest valid name, or ''."""
     match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)

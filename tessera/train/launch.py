@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.testbed.testbed import ENTER_SCRIPT
 from tessera.train.failures import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_INTERRUPTED,
@@ -52,6 +53,8 @@ class Launch:
     rdzv_endpoint: str = ""
     rdzv_id: str = "tessera"
     local_addr: str = ""  # several machines: the address this node's ranks listen on (torchrun --local-addr)
+    testbed_seats: Path | None = None  # one machine, played as a cluster: each rank takes its seat first
+    testbed_master_addr: str = "127.0.0.1"  # where rank 0 serves the store then (its node's namespace address)
 
 
 def _torchrun_command(job: Launch, folder: Path) -> list[str]:
@@ -70,8 +73,10 @@ def _torchrun_command(job: Launch, folder: Path) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={folder / 'rendezvous'}",
             "--rdzv-conf=store_type=file",
-            "--local-addr=127.0.0.1",
+            f"--local-addr={job.testbed_master_addr if job.testbed_seats else '127.0.0.1'}",
         ]
+    if job.testbed_seats is not None:  # the seat-taking script execs the rank in its cgroup and namespace
+        return [*cmd, str(ENTER_SCRIPT), str(job.testbed_seats), "tessera.train.run", *job.rank_args]
     return [*cmd, "-m", "tessera.train.run", *job.rank_args]
 
 

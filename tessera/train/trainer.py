@@ -23,6 +23,7 @@ from tessera.cluster.emulate import hooks_from_environment
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.memory import release_free_heap
 from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
+from tessera.testbed.seat import current_seat, verify_seat
 from tessera.train import rundir
 from tessera.train.build import build_model, build_optimizer
 from tessera.train.config import Config, plan_from_config
@@ -131,6 +132,8 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         if self.emulation is not None:  # every rank says which device it plays: the run is emulated
             print(f"EMULATED: rank {dist.get_rank()} is {self.emulation.describe()}", flush=True)
+        if (seat := current_seat()) is not None:  # tessera train --testbed: checked with the kernel, then said
+            print(f"TESTBED: {verify_seat(seat)}", flush=True)
         dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
         model = build_model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,168 @@
+"""The testbed: real CPU quotas and shaped links, checked with the kernel's own figures, and torn
+down however the launcher ends. Needs root, the cgroup cpu controller and iproute2 (this machine's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tessera.cluster.spec import Cluster
+from tessera.errors import TestbedError
+from tessera.testbed import Testbed, clean_stale
+from tessera.testbed.cpu import PERIOD_US, CpuGroups, Hierarchy, find_cpu_hierarchy
+from tessera.testbed.network import check_tools
+from tessera.testbed.testbed import ENTER_SCRIPT, STATE_DIR
+
+RATE = 6.25e6  # 50 Mbit/s between the two nodes
+CLUSTER = {
+    "nodes": [
+        {"name": "a", "devices": [{"type": "fast", "count": 1}]},
+        {"name": "b", "devices": [{"type": "slow", "count": 1}]},
+    ],
+    "device_types": {
+        "fast": {"peak_tflops": {"fp32": 1.0}, "memory_gib": 8, "bandwidth_gbs": 10},
+        "slow": {"peak_tflops": {"fp32": 0.25}, "memory_gib": 8, "bandwidth_gbs": 10},
+    },
+    "links": {"inter_node": {"bandwidth_gbs": RATE / 1e9, "latency_us": 50}},
+}
+TESTS = Path(__file__).parent
+
+
+def _leftovers(name: str) -> list[str]:
+    """What a testbed named ``name`` left on the machine."""
+    found = [
+        f"netns {ns}"
+        for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        if ns.startswith(name)
+    ]
+    found += [f"cgroup {p}" for p in Path(find_cpu_hierarchy().root).glob(f"{name}*")]
+    found += [f"state {p}" for p in STATE_DIR.glob(f"{name}*")]
+    return found
+
+
+# ------------------------------------------------------------------ without root: files and errors
+def test_cpu_groups_write_v1_and_v2_quotas(tmp_path: Path) -> None:
+    for version in (1, 2):
+        root = tmp_path / f"v{version}"
+        root.mkdir()
+        groups = CpuGroups.create("tessera-t", [0.6, 0.15], Hierarchy(root, version))
+        if version == 1:
+            assert (groups.path(1) / "cpu.cfs_quota_us").read_text() == str(int(0.15 * PERIOD_US))
+            assert (groups.path(0) / "cpu.cfs_period_us").read_text() == str(PERIOD_US)
+        else:
+            assert (groups.path(0) / "cpu.max").read_text() == f"{int(0.6 * PERIOD_US)} {PERIOD_US}"
+            assert (groups.parent / "cgroup.subtree_control").read_text() == "+cpu"
+        groups.remove()
+        assert not groups.parent.exists()
+
+
+def test_a_share_below_the_kernels_smallest_quota_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TestbedError, match="smallest quota.*--testbed-cpus"):
+        CpuGroups.create("tessera-t", [1.0, 0.05], Hierarchy(tmp_path, 1))
+    assert not (tmp_path / "tessera-t").exists()
+
+
+def test_the_cpu_controller_is_found_in_the_mounts(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text("cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,nosuid,cpu,cpuacct 0 0\n")
+    assert find_cpu_hierarchy(mounts) == Hierarchy(Path("/sys/fs/cgroup/cpu,cpuacct"), 1)
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cgroup.controllers").write_text("cpuset cpu io memory")
+    mounts.write_text(f"cgroup2 {tmp_path / 'v2'} cgroup2 rw 0 0\n")
+    assert find_cpu_hierarchy(mounts) == Hierarchy(tmp_path / "v2", 2)
+    mounts.write_text("cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n")
+    with pytest.raises(TestbedError, match="no cgroup cpu controller.*--emulate"):
+        find_cpu_hierarchy(mounts)
+
+
+def test_not_root_or_no_iproute2_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(TestbedError, match="needs root.*--emulate"):
+        Testbed(Cluster.from_dict(CLUSTER), [0, 1]).__enter__()
+    monkeypatch.setattr("shutil.which", lambda tool: None)
+    with pytest.raises(TestbedError, match="ip and tc"):
+        check_tools()
+
+
+def test_shares_follow_the_devices_speeds_and_bad_seats_are_refused() -> None:
+    bed = Testbed(Cluster.from_dict(CLUSTER), [0, 1], cpus=1.25)
+    assert bed.cores() == pytest.approx([1.0, 0.25])
+    assert bed.link_rates() == {(0, 1): pytest.approx(RATE)}
+    with pytest.raises(TestbedError, match="plays cluster device 2.*describes 2 devices"):
+        Testbed(Cluster.from_dict(CLUSTER), [0, 2])
+
+
+# ------------------------------------------------------------------ as root: the real thing
+def test_ranks_get_their_quota_and_their_link_rate(tmp_path: Path) -> None:
+    """Both upper bounds are the kernel's: a rank cannot get more CPU than its quota, nor send faster
+    than its link's token bucket lets it (load on the machine can only lower them)."""
+    with Testbed(Cluster.from_dict(CLUSTER), [0, 1], cpus=0.75) as bed:  # 0.6 and 0.15 of a core
+        seats = json.loads(bed.seats_file.read_text())["seats"]
+        env = {**os.environ, "PYTHONPATH": str(TESTS), "PROBE_PEER": seats[1]["address"]}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(ENTER_SCRIPT), str(bed.seats_file), "testbed_probe", "29517"],
+                env={**env, "RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        results = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert not _leftovers(bed.name)
+    for seat, result in zip(seats, results):
+        assert f"{seat['cores']:.3g} of a core" in result["verified"] and seat["namespace"] in result["verified"]
+        # one period of slack on top of the quota: the CFS accounting granularity
+        assert result["cpu_share"] <= seat["cores"] * 1.1 + 0.02, (seat, result)
+    assert results[1]["received"] == 2 << 20
+    # the bucket lets its depth through at once, the rest at the link's rate
+    floor = ((2 << 20) - max(64 * 1024, RATE * 0.004)) / RATE
+    assert results[0]["send_s"] >= 0.9 * floor, results[0]
+
+
+def _hold_a_testbed(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(CLUSTER))
+    code = (
+        "import time; from tessera.cluster.spec import Cluster; from tessera.testbed import Testbed\n"
+        f"with Testbed(Cluster.load({str(spec)!r}), [0, 1], cpus=1.0) as bed:\n"
+        "    print(bed.name, flush=True); time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_the_testbed_is_torn_down_on_ctrl_c_sigterm_and_by_clean_after_sigkill(tmp_path: Path) -> None:
+    held = [_hold_a_testbed(tmp_path) for _ in range(3)]
+    for (proc, name), sig in zip(held, (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)):
+        assert len(_leftovers(name)) == 4, _leftovers(name)  # two namespaces, the cgroup, the state file
+        proc.send_signal(sig)
+        proc.wait(30)
+    for proc, name in held[:2]:
+        assert not _leftovers(name), f"{name} after {proc.returncode}: {_leftovers(name)}"
+    killed = held[2][1]
+    assert _leftovers(killed), "SIGKILL cannot be caught: its testbed stays until cleaned"
+    assert killed in clean_stale() and not _leftovers(killed)
+
+
+def test_a_job_trains_on_the_testbed_each_rank_in_its_seat(tmp_path: Path) -> None:
+    from test_bad_input import GOOD
+
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**GOOD, "logging": {**GOOD["logging"], "out_dir": str(tmp_path / "runs")}}))
+    argv = ["train", str(config), "--nproc", "2", "--testbed", str(tmp_path / "cluster.yaml"), "--testbed-cpus", "1.6"]
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "over steps 1-2" in proc.stdout, out
+    assert "TESTBED: rank 0 plays device 0 (a, fast): 1.28 of a core" in out, out
+    assert "TESTBED: rank 1 plays device 1 (b, slow): 0.32 of a core" in out and "namespace tessera-" in out, out
+    name = out.split("testbed ", 1)[1].split(":", 1)[0]
+    assert not _leftovers(name)
