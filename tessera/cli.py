@@ -3,6 +3,8 @@
     tessera train CONFIG.yaml [--set optimizer.lr=3e-4 ...] [--nproc N]   config-driven training (via torchrun)
     tessera plan --model CONFIG.yaml --cluster C.yaml --global-batch B    best plans, a Plan file and a picture
     tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
+    tessera cluster profile CONFIG.yaml --cluster C.yaml [--testbed]      measure devices and links for the planner
+    tessera testbed clean                                                 remove what a killed testbed left
     tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR]      full model from any layout's checkpoint
 
 Every failure prints one ``tessera: error: ...`` paragraph. Exit codes: 2 bad input, 3 a collective
@@ -61,6 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
     from tessera.cluster.spec import Cluster
     from tessera.planner import ModelCosts
     from tessera.planner.draw import draw
+    from tessera.planner.precision import choose_precision
     from tessera.planner.search import search
     from tessera.train.build import build_model
     from tessera.train.config import load_config, plan_from_config
@@ -73,7 +76,14 @@ def _plan(args: argparse.Namespace) -> int:
     check_output_file(args.png, "--png", force=True)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = build_model(cfg)
-    costs = ModelCosts.from_model(model, cfg.data.seq_len, plan_from_config(cfg.plan).precision)
+    requested = args.precision or plan_from_config(cfg.plan).precision
+    precision, note = choose_precision(cluster, requested, args.pin_precision)
+    costs = ModelCosts.from_model(model, cfg.data.seq_len, precision)
+    if args.profile:  # plan from what `tessera cluster profile` measured, not from declared figures
+        from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs
+
+        live = LiveProfile.load(args.profile)
+        cluster, costs = measured_cluster(cluster, live), measured_costs(live, costs)
     found = search(cluster, costs, args.global_batch, top=args.top)
     print(
         f"{len(found)} best plans for {costs.name} ({costs.source} costs, seq {costs.seq_len}, {costs.precision}) "
@@ -96,6 +106,8 @@ def _plan(args: argparse.Namespace) -> int:
         elif p.dp_shares or p.pipeline.stages:
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
     best = found[0]
+    if note:
+        print(f"precision: {note}")
     _print_launch(best.plan, cluster)
     best.plan.save(args.out)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
@@ -149,23 +161,57 @@ def _train(args: argparse.Namespace) -> int:
         local_addr=args.local_addr,
     )
     if args.testbed:
-        return _launch_on_testbed(job, cfg, args.testbed, args.testbed_cpus)
+        from tessera.train.config import plan_from_config
+
+        plan = plan_from_config(cfg.plan).resolve(job.nproc)
+        devices = [plan.device_of(r) for r in range(job.nproc)]
+        return _launch_on_testbed(job, args.testbed, devices, args.testbed_cpus, plan.precision)
     return launch(job)
 
 
-def _launch_on_testbed(job, cfg, cluster_file: str, cpus: float | None) -> int:
-    """Launch ``job`` with each rank in the CPU cgroup and network namespace of the device it plays."""
+def _launch_on_testbed(job, cluster_file: str, devices: list[int], cpus: float | None, precision: str) -> int:
+    """Launch ``job`` with rank ``r`` in the CPU cgroup and network namespace of cluster device ``devices[r]``."""
     from tessera.cluster.spec import Cluster
     from tessera.testbed import Testbed
-    from tessera.train.config import plan_from_config
     from tessera.train.launch import launch
 
-    cluster = Cluster.load(cluster_file)
-    plan = plan_from_config(cfg.plan).resolve(job.nproc)
-    with Testbed(cluster, [plan.device_of(r) for r in range(job.nproc)], cpus, plan.precision) as bed:
+    with Testbed(Cluster.load(cluster_file), devices, cpus, precision) as bed:
         print(bed.describe(), file=sys.stderr)
         job.testbed_seats, job.testbed_master_addr = bed.seats_file, bed.master_addr
         return launch(job)
+
+
+def _cluster_profile(args: argparse.Namespace) -> int:
+    """Launch one rank per cluster device to measure devices and links; rank 0 writes the live profile."""
+    from tessera.cluster.spec import Cluster
+    from tessera.train.config import load_config, plan_from_config
+    from tessera.train.launch import Launch, launch
+
+    cluster = Cluster.load(args.cluster)
+    cfg = load_config(args.config, [])
+    nproc = args.nproc or cluster.world_size // args.nnodes
+    if nproc * args.nnodes != cluster.world_size:
+        raise ValueError(
+            f"a profile needs one rank per device: the cluster file has {cluster.world_size} devices, the launch "
+            f"{nproc * args.nnodes} ranks ({args.nnodes} node(s) x {nproc}); fix --nproc/--nnodes."
+        )
+    check_output_file(args.out, "--out", args.force)
+    out = Path(args.out).resolve()
+    job = Launch(
+        [str(Path(args.config).resolve()), str(Path(args.cluster).resolve()), str(out)],
+        out.parent,
+        nproc=nproc,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        local_addr=args.local_addr,
+        module="tessera.train.profile_run",
+    )
+    if args.testbed:
+        if args.nnodes > 1:
+            raise ValueError("--testbed plays the cluster on this one machine: drop --nnodes with it.")
+        precision = plan_from_config(cfg.plan).precision
+        return _launch_on_testbed(job, args.cluster, list(range(nproc)), args.testbed_cpus, precision)
+    return launch(job)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -184,6 +230,8 @@ def _export(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace) -> int:
     from tessera.cluster.spec import Cluster
 
+    if args.cluster_command == "profile":
+        return _cluster_profile(args)
     if args.cluster_command == "detect":
         from tessera.cluster.detect import describe, detect
 
@@ -241,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "--testbed-cpus",
         type=float,
-        help="cores for all testbed ranks together (default: this machine's less a third of a core)",
+        help="cores the whole cluster gets, shared by device speed (default: this machine's less a third of a core)",
     )
     testbed = sub.add_parser("testbed", help="the one-machine testbed's housekeeping")
     testbed_sub = testbed.add_subparsers(dest="testbed_command", required=True)
@@ -251,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--cluster", help="a cluster file (tessera cluster detect writes one)")
     plan.add_argument("--global-batch", type=_count(1), help="samples per optimizer step")
     plan.add_argument("--top", type=_count(1), default=5, help="how many plans to list")
+    plan.add_argument("--profile", help="a live profile (tessera cluster profile): plan from measured speeds and links")
     plan.add_argument("--out", default="plan.yaml", help="where to write the best Plan")
     plan.add_argument("--png", default="plan.png", help="where to draw devices by stage and the simulated timeline")
     plan_sub = plan.add_subparsers(dest="plan_command")
@@ -265,6 +314,19 @@ def main(argv: list[str] | None = None) -> int:
     detect.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     cluster_check = cluster_sub.add_parser("check", help="validate a cluster file and list its devices")
     cluster_check.add_argument("file")
+    profile = cluster_sub.add_parser(
+        "profile", help="measure every device and link of a cluster on a model (one rank per device)"
+    )
+    profile.add_argument("config", help="a training config: its model, data.seq_len and plan.precision are used")
+    profile.add_argument("--cluster", required=True, help="the cluster file the launch plays (rank r = device r)")
+    profile.add_argument("--out", default="cluster-profile.json", help="where rank 0 writes the live profile")
+    profile.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    profile.add_argument("--nproc", type=_count(1), help="ranks per node (default: the cluster's devices / --nnodes)")
+    profile.add_argument("--nnodes", type=_count(1), default=1)
+    profile.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
+    profile.add_argument("--local-addr", default="", help="several machines: this node's address")
+    profile.add_argument("--testbed", action="store_true", help="play the cluster on this machine's testbed (root)")
+    profile.add_argument("--testbed-cpus", type=float, help="cores the whole cluster gets, shared by device speed")
     export = sub.add_parser("export", help="write a checkpoint's full model as safetensors / Hugging Face")
     export.add_argument("checkpoint")
     export.add_argument("--out", help="a .safetensors file to write")

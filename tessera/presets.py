@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,11 +92,14 @@ def Auto(
     global_batch_size: int,
     seq_len: int | None = None,
     precision: str = "fp32",
+    pin_precision: bool = False,
 ) -> Plan:
     """The planner's fastest Plan for ``model`` on ``cluster`` (a cluster file or :class:`Cluster`).
 
     Devices of different speed and memory get different work: uneven data-parallel shares,
     uneven pipeline stages, each device placed on the mesh (``Plan.placement``).
+    ``precision="bf16"`` (or ``"auto"``) beside devices without bf16 plans fp16 with loss scaling
+    unless ``pin_precision``.
     ``tessera plan`` shows the runners-up and why.
 
     Example:
@@ -104,4 +108,9 @@ def Auto(
     """
     from tessera.planner import plan_for
 
-    return plan_for(cluster, model, global_batch_size, seq_len=seq_len, precision=precision, top=1)[0].plan
+    best = plan_for(
+        cluster, model, global_batch_size, seq_len=seq_len, precision=precision, top=1, pin_precision=pin_precision
+    )[0]
+    for note in best.notes:  # e.g. fp16 chosen where a device has no bf16: the user should know
+        warnings.warn(f"tessera.Auto: {note}", stacklevel=2)
+    return best.plan

@@ -76,11 +76,34 @@ def test_emulator_slows_each_block_by_the_speed_ratio() -> None:
     assert emulator.slowdown == 4.0
     assert "quarter: blocks take 4x" in emulator.describe()
     emulator.slow_down(model.layers)
+    timed = _time_forwards(model.layers)  # registered after the emulator's: the end includes its sleep
     x = torch.randint(0, 100, (2, 16))
     loss_fn(model(x), x).backward()
     assert emulator.slowed == {"forward": 2, "backward": 2}
-    # Each block is stretched to 4x its CPU time: the sleeps make up at most the other 3x.
+    # Each block is stretched to 4x its CPU time: the sleeps make up at most the other 3x ...
     assert 0 < emulator.slept_s <= 3 * emulator.compute_s * 1.01 + 1e-4  # clocks tick in microseconds
+    # ... and at least that: timed from outside, every forward took 4x the CPU it used.
+    for wall, cpu in timed:
+        assert wall >= 0.9 * 4 * cpu, (wall, cpu)
+
+
+def _time_forwards(blocks) -> list[tuple[float, float]]:
+    """(wall, thread CPU) seconds of every forward of ``blocks``, measured by hooks of the test's own."""
+    import time
+
+    timed, began = [], {}
+
+    def start(module, args) -> None:
+        began[id(module)] = (time.perf_counter(), time.thread_time())
+
+    def stop(module, args, output) -> None:
+        wall, cpu = began[id(module)]
+        timed.append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+    for block in blocks:
+        block.register_forward_pre_hook(start)
+        block.register_forward_hook(stop)
+    return timed
 
 
 def test_emulated_memory_accountant_refuses_what_does_not_fit() -> None:
@@ -115,8 +138,10 @@ def test_emulator_with_a_block_line_targets_that_line_scaled_by_speed() -> None:
     model = build_model("llama:2")
     emulator = Emulator(Cluster.from_dict(SPEEDS), rank=2, block_s=(0.01, 0.005, 2.0))  # half speed: 80 ms per forward
     emulator.slow_down(model.layers)
+    timed = _time_forwards(model.layers)
     x = torch.randint(0, 100, (6, 16))
     loss_fn(model(x), x).backward()
+    assert len(timed) == 2 and all(wall >= 0.9 * (0.01 + 0.005 * 6) * 2 for wall, _ in timed), timed
     block = model.layers[0]
     assert emulator._target(block, "forward", cpu=0.0) == pytest.approx((0.01 + 0.005 * 6) * 2)
     assert emulator._target(block, "backward", cpu=0.0) == pytest.approx((0.01 + 0.005 * 6) * 2 * 2.0)

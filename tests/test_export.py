@@ -33,9 +33,10 @@ def test_safetensors_and_hf_exports_hold_the_trained_weights(gpt2_checkpoint: Pa
     for k in full:
         assert torch.equal(exported[k], full[k]), k
     model = GPT2LMHeadModel.from_pretrained(str(export_hf(gpt2_checkpoint, tmp_path / "hf")))
-    for k, v in model.state_dict().items():
-        if k in full:
-            assert torch.equal(v, full[k]), k
+    reloaded = model.state_dict()
+    assert reloaded.keys() == full.keys(), (reloaded.keys() - full.keys(), full.keys() - reloaded.keys())
+    for k, v in reloaded.items():
+        assert torch.equal(v, full[k]), k
 
 
 def test_hf_export_of_a_non_hf_model_is_refused(tmp_path: Path) -> None:

@@ -142,6 +142,33 @@ def test_device_without_the_precision_is_refused(costs: ModelCosts) -> None:
         search(cluster, costs.with_precision("bf16"), 8)
 
 
+def test_bf16_beside_devices_without_it_plans_fp16_with_loss_scaling_unless_pinned() -> None:
+    from tessera.planner import plan_for
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=4, dim=256, n_heads=4, n_kv_heads=4, ffn_dim=512, vocab_size=1000))
+    mixed = Cluster.from_dict(
+        {"nodes": [{"name": "a", "devices": [{"type": "A100-80GB", "count": 2}]},
+                   {"name": "b", "devices": [{"type": "V100", "count": 2}]}]}
+    )  # fmt: skip
+    for asked in ("bf16", "auto"):
+        best = plan_for(mixed, model, 16, seq_len=128, precision=asked, top=1)[0]
+        assert best.plan.precision == "fp16", asked
+        assert any("fp16 with dynamic loss scaling: V100 has no bf16" in n for n in best.notes), best.notes
+    with pytest.raises(PlanError, match="V100 has no bf16 figure"):
+        plan_for(mixed, model, 16, seq_len=128, precision="bf16", top=1, pin_precision=True)
+    alike = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A100-80GB", "count": 2}]}]})
+    best = plan_for(alike, model, 16, seq_len=128, precision="auto", top=1)[0]
+    assert best.plan.precision == "bf16" and not best.notes
+    no_half = {
+        **mixed.to_dict(),
+        "device_types": {"old": {"peak_tflops": {"fp32": 10}, "memory_gib": 16, "bandwidth_gbs": 500}},
+    }
+    no_half["nodes"][1]["devices"][0]["type"] = "old"
+    best = plan_for(Cluster.from_dict(no_half), model, 16, seq_len=128, precision="auto", top=1)[0]
+    assert best.plan.precision == "fp32" and "old has no half-precision figure" in best.notes[0]
+
+
 @pytest.mark.parametrize("seed", SEEDS[:10])
 def test_placements_on_several_machines_are_launchable_by_torchrun(costs: ModelCosts, seed: int) -> None:
     """torchrun numbers ranks machine by machine: each node's devices must take consecutive ranks, in order."""

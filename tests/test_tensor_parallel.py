@@ -207,6 +207,36 @@ def test_dropout_keeps_replicated_parameters_identical_across_tp_ranks(sp: bool,
     assert two_ranks[f"dropout-sp{sp}"][0] == []
 
 
+SHARD_KINDS = {"llama": ("layers.", 7), "hf_llama": ("model.layers.", 7), "gpt2": ("transformer.h.", 4)}
+
+
+def shards_worker(kind: str) -> dict:
+    """Every weight matrix inside the blocks: its placement and local shape against the full one."""
+    from torch.distributed.tensor import DTensor
+
+    model, _ = tessera.Booster(tessera.Hybrid(tp=2)).boost(build_model(kind))
+    prefix = SHARD_KINDS[kind][0]
+    found = {}
+    for name, p in model.named_parameters():
+        if name.startswith(prefix) and p.ndim == 2:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            found[name] = (str(getattr(p, "placements", "not a DTensor")), tuple(local.shape), tuple(p.shape))
+    return found
+
+
+@pytest.mark.parametrize("kind", list(SHARD_KINDS))
+def test_tensor_parallel_shards_every_blocks_weights(kind: str, two_ranks: dict) -> None:
+    """Parity alone would pass with every weight replicated: each matrix of every block must be split
+    in two along one dimension (local shape = full / tp)."""
+    found = two_ranks[f"shards-{kind}"][0]
+    n_layers = 2
+    assert len(found) == SHARD_KINDS[kind][1] * n_layers, sorted(found)
+    for name, (placements, local, full) in found.items():
+        assert "Shard" in placements, f"{name} is not sharded: {placements}"
+        halved = [d for d in range(2) if local[d] * 2 == full[d] and local[1 - d] == full[1 - d]]
+        assert len(halved) == 1, f"{name}: local {local} is not the full {full} split in two along one dimension"
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
     """The small 2-rank checks of this file, in one launch (spawning ranks costs more than a check)."""
@@ -214,6 +244,7 @@ def two_ranks() -> dict:
     calls["vocab"] = (vocab_parallel_worker, ())
     calls.update({f"logits-{kind}": (logits_layout_worker, (kind,)) for kind in LOGITS_KINDS})
     calls["no-policy"] = (bad_tp_worker, (tessera.Hybrid(tp=2).to_dict(),))
+    calls.update({f"shards-{kind}": (shards_worker, (kind,)) for kind in SHARD_KINDS})
     for sp in (False, True):
         calls[f"dropout-sp{sp}"] = (dropout_worker, (tessera.Hybrid(tp=2, sp="split_gather" if sp else 1).to_dict(),))
     return run_shared(2, calls)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import yaml
@@ -152,17 +153,38 @@ def test_the_testbed_is_torn_down_on_ctrl_c_sigterm_and_by_clean_after_sigkill(t
     assert killed in clean_stale() and not _leftovers(killed)
 
 
-def test_a_job_trains_on_the_testbed_each_rank_in_its_seat(tmp_path: Path) -> None:
+def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_seat(tmp_path: Path) -> None:
+    """`tessera train --testbed` and `tessera cluster profile --testbed`, run side by side (one wait for
+    both): every rank confirms its seat with the kernel, and the profile's link is the shaped one."""
     from test_bad_input import GOOD
 
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
+    from tessera.planner.live_profile import LiveProfile
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(CLUSTER))
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({**GOOD, "logging": {**GOOD["logging"], "out_dir": str(tmp_path / "runs")}}))
-    argv = ["train", str(config), "--nproc", "2", "--testbed", str(tmp_path / "cluster.yaml"), "--testbed-cpus", "1.6"]
-    proc = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "over steps 1-2" in proc.stdout, out
+    train = ["train", str(config), "--nproc", "2", "--testbed", str(cluster), "--testbed-cpus", "1.6"]
+    profile = ["cluster", "profile", str(config), "--cluster", str(cluster), "--testbed", "--testbed-cpus", "1.6"]
+    profile += ["--out", str(tmp_path / "live.json")]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tessera.cli", *argv], stdout=PIPE, stderr=PIPE, text=True)
+        for argv in (train, profile)
+    ]
+    (train_out, train_err), (profile_out, profile_err) = (p.communicate(timeout=300) for p in procs)
+    out = train_out + train_err
+    assert procs[0].returncode == 0 and "over steps 1-2" in train_out, out
     assert "TESTBED: rank 0 plays device 0 (a, fast): 1.28 of a core" in out, out
     assert "TESTBED: rank 1 plays device 1 (b, slow): 0.32 of a core" in out and "namespace tessera-" in out, out
     name = out.split("testbed ", 1)[1].split(":", 1)[0]
     assert not _leftovers(name)
+
+    assert procs[1].returncode == 0, profile_out + profile_err
+    assert "TESTBED: rank 1 plays device 1 (b, slow)" in profile_out, profile_out
+    live = LiveProfile.load(tmp_path / "live.json")
+    assert [(r.rank, r.device, r.node) for r in live.ranks] == [(0, 0, "a"), (1, 1, "b")]
+    assert all(r.profile.layers["block"].forward_s and r.optimizer_gbs > 0 for r in live.ranks)
+    (link,) = live.links
+    assert link.nodes == ("a", "b") and link.latency_us > 0
+    # the token bucket's rate bounds what any transfer achieves (a little over for the bucket's depth)
+    assert 0 < link.bandwidth_gbs * 1e9 <= 1.2 * RATE, link

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from tessera.cluster.spec import Cluster
 from tessera.errors import PlanError
 from tessera.planner.costs import ModelCosts
+from tessera.planner.precision import choose_precision
 from tessera.planner.search import Candidate, search
 
 
@@ -36,12 +38,20 @@ def plan_for(
     precision: str = "fp32",
     top: int = 5,
     costs: ModelCosts | None = None,
+    pin_precision: bool = False,
 ) -> list[Candidate]:
     """The ``top`` fastest plans for ``model`` on ``cluster`` (build the model on the meta device:
-    only its shapes are read). ``costs`` replaces the analytic per-layer costs (e.g. a profile)."""
+    only its shapes are read). ``costs`` replaces the analytic per-layer costs (e.g. a profile).
+    ``precision`` bf16 (or "auto") beside devices without bf16 plans fp16 with loss scaling unless
+    ``pin_precision`` (:func:`~tessera.planner.precision.choose_precision`; the ``notes`` say so)."""
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
-    costs = costs or ModelCosts.from_model(model, seq_len or sequence_length(model), precision)
-    return search(cluster, costs, global_batch_size, top=top)
+    precision, note = choose_precision(cluster, precision, pin_precision)
+    if costs is None:
+        costs = ModelCosts.from_model(model, seq_len or sequence_length(model), precision)
+    elif costs.precision != precision:
+        costs = costs.with_precision(precision)
+    found = search(cluster, costs, global_batch_size, top=top)
+    return [replace(c, notes=(*c.notes, note)) for c in found] if note else found
 
 
 __all__ = ["Candidate", "ModelCosts", "plan_for", "sequence_length"]

@@ -205,8 +205,9 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
     for t in types:
         if t.peak(dtype) is None:
             raise PlanError(
-                f"device type {t.name} has no {dtype} figure (no fast path for it): plan with another precision, "
-                f"or give device_types.{t.name}.peak_tflops.{dtype} in the cluster file."
+                f"device type {t.name} has no {dtype} figure (no fast path for it): plan with precision auto (fp16 "
+                f"with loss scaling where bf16 is missing) or another precision, or give "
+                f"device_types.{t.name}.peak_tflops.{dtype} in the cluster file."
             )
     slow = min(types, key=lambda t: t.peak_tflops[dtype])
     nodes = {node for node, _, _ in members}

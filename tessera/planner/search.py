@@ -83,6 +83,7 @@ class Candidate:
     layout: Layout | MixedLayout
     estimate: Estimate
     placement: str  # how devices were placed, in words
+    notes: tuple[str, ...] = ()  # what the user should know (e.g. the precision chosen and why)
 
 
 # ----------------------------------------------------------- one placement

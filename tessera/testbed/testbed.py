@@ -1,9 +1,9 @@
 """The testbed: a cluster file played for real on this machine, with real slowness instead of sleeps.
 
 Rank ``r`` plays the cluster device ``plan.device_of(r)``. It runs in a CPU cgroup of its own
-whose quota is that device's relative speed: ``cpus × peak(device) / Σ peaks`` of the played
-devices (``cpus`` is the CPU handed to all ranks together, by default all but a third of a core
-kept for the launcher), so a device with half the peak computes half as fast, Python overhead,
+whose quota is that device's relative speed: ``cpus × peak(device) / Σ peaks`` of all the
+cluster's devices (``cpus`` is the CPU the whole cluster gets, by default all but a third of a
+core kept for the launcher), so a device with half the peak computes half as fast, Python overhead,
 communication and contention included. When the played devices sit on more than one node, each
 node is a network namespace and each pair of nodes a veth pair shaped to the cluster file's
 bandwidth (:mod:`tessera.testbed.network`); ranks of one node share its loopback.
@@ -83,6 +83,7 @@ class Testbed:
                 )
         if self.cpus <= 0:
             raise TestbedError(f"the testbed needs a positive CPU budget (--testbed-cpus), got {self.cpus:g}.")
+        self.dtype = dtype
         self.speeds = [self._speed(devices[d][2], dtype) for d in self.rank_devices]
         self.nodes = list(dict.fromkeys(devices[d][0] for d in self.rank_devices))  # in rank order
 
@@ -97,8 +98,10 @@ class Testbed:
 
     # ------------------------------------------------------------------ layout
     def cores(self) -> list[float]:
-        """Each rank's share of the CPU: its device's speed over the sum, times the budget."""
-        total = sum(self.speeds)
+        """Each rank's share of the CPU: its device's speed over the sum of *every* cluster device's, times
+        the budget. A job that plays only some devices (dropping the slow ones) gets the same per-device
+        quotas as one that plays them all, and leaves the rest of the budget idle."""
+        total = sum(self._speed(t, self.dtype) for _, _, t in self.cluster.devices())
         return [self.cpus * s / total for s in self.speeds]
 
     def link_rates(self) -> dict[tuple[int, int], float]:

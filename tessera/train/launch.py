@@ -53,6 +53,7 @@ class Launch:
     rdzv_endpoint: str = ""
     rdzv_id: str = "tessera"
     local_addr: str = ""  # several machines: the address this node's ranks listen on (torchrun --local-addr)
+    module: str = "tessera.train.run"  # what each rank runs (tessera.train.profile_run for a profile)
     testbed_seats: Path | None = None  # one machine, played as a cluster: each rank takes its seat first
     testbed_master_addr: str = "127.0.0.1"  # where rank 0 serves the store then (its node's namespace address)
 
@@ -76,8 +77,8 @@ def _torchrun_command(job: Launch, folder: Path) -> list[str]:
             f"--local-addr={job.testbed_master_addr if job.testbed_seats else '127.0.0.1'}",
         ]
     if job.testbed_seats is not None:  # the seat-taking script execs the rank in its cgroup and namespace
-        return [*cmd, str(ENTER_SCRIPT), str(job.testbed_seats), "tessera.train.run", *job.rank_args]
-    return [*cmd, "-m", "tessera.train.run", *job.rank_args]
+        return [*cmd, str(ENTER_SCRIPT), str(job.testbed_seats), job.module, *job.rank_args]
+    return [*cmd, "-m", job.module, *job.rank_args]
 
 
 def _environment(job: Launch, folder: Path) -> dict[str, str]:
@@ -119,14 +120,17 @@ def _registered(folder: Path) -> dict[tuple[int, int], int]:
     return out
 
 
+RANK_MODULES = (b"tessera.train.run", b"tessera.train.profile_run")
+
+
 def is_rank(pid: int) -> bool:
-    """Whether ``pid`` runs a training rank (``python ... -m tessera.train.run``; not torchrun, whose
-    arguments name it too, nor a process that reused the number)."""
+    """Whether ``pid`` runs a rank (``python ... -m tessera.train.run`` or ``profile_run``; not torchrun,
+    whose arguments name it too, nor a process that reused the number)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return any(a == b"-m" and b == b"tessera.train.run" for a, b in zip(args, args[1:])) and not any(
+    return any(a == b"-m" and b in RANK_MODULES for a, b in zip(args, args[1:])) and not any(
         a == b"-m" and b in (b"tessera.train.torchrun", b"torch.distributed.run") for a, b in zip(args, args[1:])
     )
 

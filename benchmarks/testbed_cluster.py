@@ -1,0 +1,179 @@
+"""Planned vs uniform vs drop-the-slow-devices on the testbed: real CPU quotas 1 : 1 : ½ : ¼, real shaped links.
+
+Nothing sleeps: every rank runs `tessera train --testbed` in a CPU cgroup whose quota is its
+device's share of ``--cpus`` cores (1.65 by default: 0.6, 0.6, 0.3 and 0.15 of a core, leaving
+a third of a core for the harness on 2 cores), and each node of the cluster file is a network
+namespace joined to the others by veth pairs shaped with ``tc tbf`` (``--link-mbit``).
+
+1. ``tessera cluster profile --testbed`` measures every rank's device (the model's blocks,
+   AdamW's memory speed) and every link. The planner plans from that live profile, not from the
+   cluster file's declared speeds (``tessera.planner.live_profile``).
+2. Three plans run in turn (interleaved, ``--reps`` times each) through the real launcher:
+   *planned* (the planner's best from the live profile), *uniform* (DDP, equal shares on all
+   four devices) and *drop slow* (DDP on the two fast devices only, at the same quotas).
+3. Reported: the median step time over steps 3.. of each run (rank 0's ``step_time_s``; the loss
+   all-reduce in it waits for the slowest rank), tokens/s, ratios, and what the cost model and the
+   simulator predicted for each plan from the live profile.
+
+    sudo python benchmarks/testbed_cluster.py [--reps 3] [--steps 12] [--json docs/testbed_cluster.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SEQ, BATCH = 64, 32
+MODEL = {"dim": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256}
+TYPES = {
+    "full": {"peak_tflops": {"fp32": 4}, "memory_gib": 8, "bandwidth_gbs": 100},
+    "half": {"peak_tflops": {"fp32": 2}, "memory_gib": 8, "bandwidth_gbs": 100},
+    "quarter": {"peak_tflops": {"fp32": 1}, "memory_gib": 8, "bandwidth_gbs": 100},
+}
+
+
+def cluster_spec(link_mbit: float) -> dict:
+    link = {"bandwidth_gbs": link_mbit / 8e3, "latency_us": 100}
+    return {
+        "nodes": [
+            {"name": "a", "devices": [{"type": "full", "count": 2}]},
+            {"name": "b", "devices": [{"type": "half", "count": 1}]},
+            {"name": "c", "devices": [{"type": "quarter", "count": 1}]},
+        ],
+        "device_types": TYPES,
+        "links": {"inter_node": link, "inter_region": link},
+    }
+
+
+def config(out_dir: Path, plan: dict, steps: int, name: str) -> dict:
+    return {
+        "model": MODEL,
+        "data": {"seq_len": SEQ, "max_bytes": 400_000},
+        "plan": plan,
+        "train": {"steps": steps, "global_batch_size": BATCH, "log_every": 1, "sample_bytes": 0, "timeout_s": 300},
+        "checkpoint": {"every": 0, "resume": "never"},
+        "logging": {"run_name": name, "out_dir": str(out_dir), "progress": False, "tensorboard": False},
+    }
+
+
+def tessera(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"tessera {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout + proc.stderr
+
+
+def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> float:
+    """Median step time (s) over steps 3.. of one `tessera train --testbed` run."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config(work / "runs", plan, steps, name)))
+    tessera("train", str(path), "--nproc", str(nproc), "--testbed", str(cluster_file), "--testbed-cpus", str(cpus),
+            "--overwrite")  # fmt: skip
+    records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in records if r["step"] >= 3)
+
+
+def predictions(plans: dict[str, tuple[Any, Any]], costs: Any) -> dict[str, dict[str, float]]:
+    from tessera.planner.costmodel import estimate
+    from tessera.planner.layout import layout_from_plan
+    from tessera.planner.simulate import simulate
+
+    out = {}
+    for name, (plan, cluster) in plans.items():
+        layout = layout_from_plan(plan, cluster, costs, BATCH)
+        out[name] = {"cost_model_s": estimate(layout, costs).step_s, "simulator_s": simulate(layout, costs).step_s}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--cpus", type=float, default=1.65)
+    ap.add_argument("--link-mbit", type=float, default=1000.0, help="every link between nodes, in Mbit/s")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import torch
+
+    from tessera import DDP
+    from tessera.cluster.spec import Cluster
+    from tessera.planner import ModelCosts, plan_for
+    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
+    from tessera.train.build import build_model
+    from tessera.train.config import load_config
+
+    work = Path(tempfile.mkdtemp(prefix="testbed-bench-"))
+    spec = cluster_spec(args.link_mbit)
+    cluster_file = work / "cluster.yaml"
+    cluster_file.write_text(yaml.safe_dump(spec))
+    model_file = work / "model.yaml"
+    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, args.steps, "profile")))
+
+    start = time.monotonic()
+    tessera("cluster", "profile", str(model_file), "--cluster", str(cluster_file), "--testbed", "--testbed-cpus",
+            str(args.cpus), "--out", str(work / "live.json"))  # fmt: skip
+    live = LiveProfile.load(work / "live.json")
+    print(f"profiled in {time.monotonic() - start:.0f} s; relative speeds {relative_speeds(live)}; links:")
+    for k in live.links:
+        print(f"  {k.nodes[0]} <-> {k.nodes[1]}: {k.bandwidth_gbs * 8e3:.1f} Mbit/s, {k.latency_us:.0f} us")
+
+    with torch.device("meta"):
+        model = build_model(load_config(str(model_file), []))
+    declared = Cluster.from_dict(spec)
+    measured = measured_cluster(declared, live)
+    costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
+    planned = plan_for(measured, model, BATCH, costs=costs, top=1)[0].plan
+    two = Cluster(measured.nodes[:1], measured.device_types, measured.links, measured.pair_links)
+    plans = {"planned": (planned, measured), "uniform": (DDP(), measured), "drop slow": (DDP(), two)}
+    planned.save(work / "planned.yaml")
+    plan_dicts = {
+        "planned": ({"file": str(work / "planned.yaml")}, 4),
+        "uniform": ({"preset": "ddp"}, 4),
+        "drop slow": ({"preset": "ddp", "placement": [0, 1]}, 2),
+    }
+    measured_s: dict[str, list[float]] = {name: [] for name in plans}
+    for rep in range(args.reps):
+        for name, (plan_dict, nproc) in plan_dicts.items():  # interleaved
+            step = run(work, name.replace(" ", "_"), plan_dict, nproc, cluster_file, args.cpus, args.steps)
+            measured_s[name].append(step)
+            print(f"rep {rep} {name:10s} {step:.3f} s/step", flush=True)
+
+    predicted = predictions(plans, costs)
+    rows = {}
+    for name in plans:
+        step = statistics.median(measured_s[name])
+        rows[name] = {
+            "plan": plan_dicts[name][0],
+            "ranks": plan_dicts[name][1],
+            "measured_step_s": step,
+            "runs_s": measured_s[name],
+            "tokens_per_s": BATCH * SEQ / step,
+            **predicted[name],
+        }
+    for name, row in rows.items():
+        print(
+            f"{name:10s} {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:6.0f} tokens/s "
+            f"(x{row['tokens_per_s'] / rows['uniform']['tokens_per_s']:.2f} uniform, "
+            f"x{row['tokens_per_s'] / rows['drop slow']['tokens_per_s']:.2f} drop slow); predicted: cost model "
+            f"{row['cost_model_s']:.3f} s ({row['cost_model_s'] / row['measured_step_s'] - 1:+.0%}), simulator "
+            f"{row['simulator_s']:.3f} s ({row['simulator_s'] / row['measured_step_s'] - 1:+.0%})"
+        )
+    print(f"planned: {planned.to_dict()}")
+    if args.json:
+        out = {"cpus": args.cpus, "link_mbit": args.link_mbit, "live_profile": json.loads(live.to_json()), "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

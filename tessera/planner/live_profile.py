@@ -1,0 +1,298 @@
+"""A live profile: what every rank of a launched job measures on its own device and its own links.
+
+``tessera cluster profile`` launches one rank per cluster device (over the real launcher: on a
+GPU cluster the same command, on this machine optionally the testbed). Each rank
+
+- times the model's parts on its device (:func:`~tessera.planner.profile.profile_model`: the
+  first part, one block, the last part, forward and backward, per micro-batch size),
+- times an AdamW step over one block's parameters (the optimizer's memory speed), and
+- records its peak memory;
+
+and for every pair of nodes one rank of each times ping-pongs (latency) and large transfers
+(bandwidth) between them, and two ranks of a node do the same for the intra-node link. Rank 0
+writes the result as JSON.
+
+The planner then plans from the measurements instead of the cluster file's declared figures:
+:func:`measured_cluster` gives each node a device type whose speed is the node's measured
+block time relative to the fastest rank's, whose memory speed is the measured optimizer
+speed, and links with the measured bandwidth and latency; :func:`measured_costs` gives
+per-part costs from the fastest rank's own profile.
+
+Example:
+    >>> live = LiveProfile.load("cluster-profile.json")
+    >>> analytic = ModelCosts.from_model(model, seq_len=64)
+    >>> plan_for(measured_cluster(cluster, live), model, 32, costs=measured_costs(live, analytic))
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.cluster.catalog import DeviceType
+from tessera.cluster.spec import Cluster, Link
+from tessera.errors import PlanError
+from tessera.planner.costs import ModelCosts
+from tessera.planner.profile import Profile, profile_model
+
+TRANSFER_BYTES = 2 << 20  # one bandwidth sample: long enough on a shaped link to dwarf its latency
+PING_REPEATS = 9
+PUSH_REPEATS = 3
+
+
+@dataclass
+class RankMeasurement:
+    """One rank's device: its parts' times (a :class:`Profile`), optimizer speed and peak memory."""
+
+    rank: int
+    device: int  # the cluster device it played (file order)
+    node: str
+    device_type: str  # as declared in the cluster file
+    profile: Profile
+    optimizer_gbs: float  # bytes an AdamW step moves (16 per parameter) per second
+    peak_bytes: int
+    memory_source: str  # "cuda max allocated" or "process max RSS"
+
+    def block_s(self) -> float:
+        """Forward plus backward of one block at the largest profiled micro-batch."""
+        block = self.profile.layers["block"]
+        b = max(block.forward_s)
+        return block.forward_s[b] + block.backward_s[b]
+
+
+@dataclass
+class LinkMeasurement:
+    """A link timed between two ranks: one-way latency and achieved bandwidth."""
+
+    nodes: tuple[str, str]
+    ranks: tuple[int, int]
+    bandwidth_gbs: float
+    latency_us: float
+
+
+@dataclass
+class LiveProfile:
+    """Everything one ``tessera cluster profile`` job measured."""
+
+    model_key: str
+    seq_len: int
+    precision: str
+    where: str  # "testbed <name>" or the machine(s) it ran on
+    ranks: list[RankMeasurement]
+    links: list[LinkMeasurement] = field(default_factory=list)
+    collective_latency_us: float = 0.0  # one tiny all-reduce over every rank
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def save(self, path: str | Path) -> Path:
+        Path(path).write_text(self.to_json() + "\n")
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> LiveProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+            ranks = [
+                RankMeasurement(**{**r, "profile": Profile.from_json(json.dumps(r["profile"]))}) for r in data["ranks"]
+            ]
+            links = [
+                LinkMeasurement(**{**k, "nodes": tuple(k["nodes"]), "ranks": tuple(k["ranks"])}) for k in data["links"]
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PlanError(
+                f"{path} is not a live profile ({type(exc).__name__}: {exc}): write one with `tessera cluster profile`."
+            ) from None
+        return cls(**{**data, "ranks": ranks, "links": links})
+
+
+# ------------------------------------------------------------------------ measuring (every rank)
+def measure_rank(
+    model: nn.Module,
+    cluster: Cluster,
+    device_index: int,
+    seq_len: int,
+    device: torch.device,
+    batch_sizes: tuple[int, ...] = (1, 2, 4),
+) -> RankMeasurement:
+    """Profile ``model``'s parts and an optimizer step on this rank's ``device``."""
+    node, _, device_type = cluster.devices()[device_index]
+    profile = profile_model(model, batch_sizes, seq_len, device, device_type.name)
+    return RankMeasurement(
+        dist.get_rank(),
+        device_index,
+        node,
+        device_type.name,
+        profile,
+        _optimizer_gbs(model, device),
+        *_peak_memory(device),
+    )
+
+
+def _optimizer_gbs(model: nn.Module, device: torch.device, repeats: int = 5) -> float:
+    """AdamW's memory speed: 16 bytes per parameter (weight, gradient, two moments) over its step time."""
+    params = [torch.randn_like(p, device=device, requires_grad=True) for p in model.parameters()][:64]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer.step()  # creates the moments
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 16 * sum(p.numel() for p in params) / max(statistics.median(times), 1e-9) / 1e9
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process max RSS"
+
+
+def measure_links(cluster: Cluster, rank_devices: list[int], device: torch.device) -> list[LinkMeasurement]:
+    """Time every pair of nodes (one rank of each) and each node's own link (two of its ranks).
+
+    Every rank must call this; pairs are timed one after another, so each has its link alone."""
+    devices = cluster.devices()
+    node_ranks: dict[str, list[int]] = {}
+    for rank, d in enumerate(rank_devices):
+        node_ranks.setdefault(devices[d][0], []).append(rank)
+    pairs = [((a, b), (node_ranks[a][0], node_ranks[b][0])) for a, b in combinations(node_ranks, 2)]
+    pairs += [((a, a), (ranks[0], ranks[1])) for a, ranks in node_ranks.items() if len(ranks) > 1]
+    found = []
+    for nodes, ranks in pairs:
+        timed = _time_pair(*ranks, device)
+        if timed is not None:
+            found.append(LinkMeasurement(nodes, ranks, *timed))
+        dist.barrier()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, found)
+    return [link for part in gathered for link in part]
+
+
+def _time_pair(src: int, dst: int, device: torch.device) -> tuple[float, float] | None:
+    """(bandwidth GB/s, one-way latency µs) of src → dst, measured on src; None on other ranks."""
+    me = dist.get_rank()
+    if me not in (src, dst):
+        return None
+    peer = dst if me == src else src
+    small = torch.zeros(1, device=device)
+    big = torch.zeros(TRANSFER_BYTES // 4, device=device)
+
+    def exchange(payload: torch.Tensor) -> float:
+        start = time.perf_counter()
+        if me == src:
+            dist.send(payload, peer)
+            dist.recv(small, peer)
+        else:
+            dist.recv(payload, peer)
+            dist.send(small, peer)
+        return time.perf_counter() - start
+
+    exchange(small)  # warm-up: connects the pair
+    latency = statistics.median(exchange(small) for _ in range(PING_REPEATS)) / 2
+    push = statistics.median(exchange(big) for _ in range(PUSH_REPEATS))
+    bandwidth = TRANSFER_BYTES / max(push - 2 * latency, 1e-9) / 1e9
+    return (bandwidth, latency * 1e6) if me == src else None
+
+
+def collective_latency_us(device: torch.device, repeats: int = 20) -> float:
+    """Microseconds of one tiny all-reduce over every rank (the median of ``repeats``)."""
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+# ------------------------------------------------------------------------ what the planner reads
+def _check_matches(cluster: Cluster, live: LiveProfile) -> None:
+    devices = cluster.devices()
+    for r in live.ranks:
+        if r.device >= len(devices) or devices[r.device][0] != r.node:
+            raise PlanError(
+                f"the live profile's rank {r.rank} played device {r.device} on node {r.node!r}, which this cluster "
+                "file does not have there: profile again with this cluster file (`tessera cluster profile`)."
+            )
+    missing = sorted({n.name for n in cluster.nodes} - {r.node for r in live.ranks})
+    if missing:
+        raise PlanError(
+            f"the live profile measured no device of node(s) {', '.join(missing)}: profile with one rank per "
+            "device of the cluster file."
+        )
+
+
+def relative_speeds(live: LiveProfile) -> dict[str, float]:
+    """Each node's speed relative to the fastest rank: its block time (median over its ranks) over the fastest's."""
+    fastest = min(r.block_s() for r in live.ranks)
+    by_node: dict[str, list[float]] = {}
+    for r in live.ranks:
+        by_node.setdefault(r.node, []).append(r.block_s())
+    return {node: fastest / statistics.median(times) for node, times in by_node.items()}
+
+
+def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
+    """``cluster`` with every node's speed, memory speed and every measured link replaced by measurements.
+
+    A node's device type becomes ``<node> (measured)``: its peak is the node's relative speed
+    (the fastest rank 1.0) for every dtype the declared type has, its memory speed the median
+    measured optimizer speed, its memory the declared capacity."""
+    _check_matches(cluster, live)
+    speeds = relative_speeds(live)
+    types: dict[str, DeviceType] = {}
+    nodes = []
+    for node in cluster.nodes:
+        declared = cluster.device_type(node.name)
+        optimizer = statistics.median(r.optimizer_gbs for r in live.ranks if r.node == node.name)
+        name = f"{node.name} (measured)"
+        types[name] = DeviceType(
+            name, {dtype: speeds[node.name] for dtype in declared.peak_tflops}, declared.memory_gib, optimizer
+        )
+        nodes.append(replace(node, device_type=name))
+    links = dict(cluster.links)
+    pairs = dict(cluster.pair_links)
+    own = [k for k in live.links if k.nodes[0] == k.nodes[1]]
+    if own:
+        slowest = min(own, key=lambda k: k.bandwidth_gbs)
+        links["intra_node"] = Link(slowest.bandwidth_gbs, slowest.latency_us)
+    for k in live.links:
+        if k.nodes[0] != k.nodes[1]:
+            pairs[frozenset(k.nodes)] = Link(k.bandwidth_gbs, k.latency_us)
+    return Cluster(tuple(nodes), types, links, pairs)
+
+
+def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
+    """Per-part costs from the fastest rank's profile, at speed 1.0 (what :func:`measured_cluster` calls it).
+
+    ``analytic`` (:meth:`ModelCosts.from_model` of the same model) gives what timing cannot: the
+    head count tensor parallelism must divide and the parameters a tied head shares."""
+    if live.seq_len != analytic.seq_len:
+        raise PlanError(
+            f"the live profile was measured at sequence length {live.seq_len}, the model is planned at "
+            f"{analytic.seq_len}: profile again with this config."
+        )
+    fastest = min(live.ranks, key=lambda r: r.block_s())
+    costs = ModelCosts.from_profile(fastest.profile, 1.0, analytic.hidden, live.precision)
+    return replace(
+        costs,
+        name=analytic.name,
+        heads=analytic.heads,
+        shared_params=analytic.shared_params,
+        source=f"live profile ({live.where}; fastest: rank {fastest.rank} on {fastest.node})",
+    )

@@ -1,0 +1,70 @@
+"""Entry point of one profiling rank: ``python -m tessera.train.profile_run CONFIG CLUSTER OUT``.
+
+``tessera cluster profile`` launches one per cluster device (rank ``r`` plays device ``r``),
+over the same launcher as ``tessera train`` (and, with ``--testbed``, in the testbed's seats).
+Every rank measures its device and its links (:mod:`tessera.planner.live_profile`); rank 0
+writes the live profile to OUT. Failures are reported like a training rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+from tessera.train.failures import EXIT_OK, Reporter
+
+
+def profile(config: str, cluster_file: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tessera
+    from tessera.cluster.spec import Cluster
+    from tessera.distributed import pick_device
+    from tessera.planner.live_profile import LiveProfile, collective_latency_us, measure_links, measure_rank
+    from tessera.planner.profile import model_key
+    from tessera.testbed.seat import current_seat, verify_seat
+    from tessera.train.build import build_model
+    from tessera.train.config import load_config, plan_from_config
+
+    cfg = load_config(config, [])
+    tessera.init(timeout_s=cfg.train.timeout_s)
+    cluster = Cluster.load(cluster_file)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (seat := current_seat()) is not None:
+        print(f"TESTBED: {verify_seat(seat)}", flush=True)
+    torch.manual_seed(cfg.train.seed)
+    device = pick_device()
+    model = build_model(cfg).to(device)
+    precision = plan_from_config(cfg.plan).precision
+    mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device)
+    links = measure_links(cluster, list(range(world)), device)
+    latency = collective_latency_us(device)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
+        live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, gathered, links, latency)
+        print(f"wrote {live.save(out)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tessera.train.profile_run")
+    ap.add_argument("config")
+    ap.add_argument("cluster")
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    reporter = Reporter()
+    reporter.started()
+    try:
+        profile(args.config, args.cluster, args.out)
+    except BaseException as exc:  # noqa: BLE001 - every way a rank ends is reported
+        return reporter.failed(exc, "profiling")
+    reporter.finished()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

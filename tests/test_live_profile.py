@@ -1,0 +1,116 @@
+"""The live profile (issue 13 item 2): what ranks measure becomes the cluster and costs the planner reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from parity import build_model
+
+from tessera.cluster.spec import Cluster
+from tessera.errors import PlanError
+from tessera.planner import ModelCosts, plan_for
+from tessera.planner.live_profile import (
+    LinkMeasurement,
+    LiveProfile,
+    RankMeasurement,
+    measured_cluster,
+    measured_costs,
+    relative_speeds,
+)
+from tessera.planner.profile import Profile, profile_model
+
+CLUSTER = {
+    "nodes": [
+        {"name": "a", "devices": [{"type": "fast", "count": 2}]},
+        {"name": "b", "devices": [{"type": "slow", "count": 1}]},
+    ],
+    "device_types": {
+        "fast": {"peak_tflops": {"fp32": 1.0}, "memory_gib": 8, "bandwidth_gbs": 10},
+        "slow": {"peak_tflops": {"fp32": 0.25}, "memory_gib": 4, "bandwidth_gbs": 10},
+    },
+    "links": {"inter_node": {"bandwidth_gbs": 0.00625, "latency_us": 50}},
+}
+
+
+def _scaled(profile: Profile, factor: float) -> Profile:
+    data = json.loads(profile.to_json())
+    for part in data["layers"].values():
+        for key in ("forward_s", "backward_s"):
+            part[key] = {b: t * factor for b, t in part[key].items()}
+    return Profile.from_json(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def live() -> LiveProfile:
+    """Three ranks: two on node a, one on node b three times slower (as a device measured that way would be)."""
+    base = profile_model(build_model("llama:4"), batch_sizes=(1, 2), seq_len=16, repeats=1)
+    ranks = [
+        RankMeasurement(0, 0, "a", "fast", base, 8.0, 1 << 30, "process max RSS"),
+        RankMeasurement(1, 1, "a", "fast", _scaled(base, 1.1), 6.0, 1 << 30, "process max RSS"),
+        RankMeasurement(2, 2, "b", "slow", _scaled(base, 3.0), 2.0, 1 << 30, "process max RSS"),
+    ]
+    links = [
+        LinkMeasurement(("a", "b"), (0, 2), 0.004, 300.0),
+        LinkMeasurement(("a", "a"), (0, 1), 1.5, 20.0),
+    ]
+    return LiveProfile(base.model_key, 16, "fp32", "a test", ranks, links, 80.0)
+
+
+def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(live: LiveProfile) -> None:
+    cluster = measured_cluster(Cluster.from_dict(CLUSTER), live)
+    speeds = relative_speeds(live)
+    assert speeds["b"] == pytest.approx(1 / 3) and speeds["a"] == pytest.approx(1 / 1.05)  # median of 1 and 1/1.1
+    slow = cluster.device_type("b")
+    assert slow.name == "b (measured)" and slow.peak("fp32") == pytest.approx(1 / 3)
+    assert slow.memory_gib == 4 and slow.bandwidth_gbs == 2.0  # capacity declared, speed measured
+    assert cluster.device_type("a").bandwidth_gbs == pytest.approx(7.0)  # median optimizer speed of a's ranks
+    assert cluster.link("a", "b").bandwidth_gbs == 0.004 and cluster.link("a", "b").latency_us == 300.0
+    assert cluster.link("a", "a").bandwidth_gbs == 1.5
+
+
+def test_measured_costs_are_the_fastest_ranks_profile_with_the_models_shape(live: LiveProfile) -> None:
+    model = build_model("llama:4")
+    analytic = ModelCosts.from_model(model, 16)
+    costs = measured_costs(live, analytic)
+    block = live.ranks[0].profile.layers["block"]
+    assert costs.forward_s("block", 2, 1.0) == pytest.approx(block.forward_s[2], rel=1e-6)  # the fit passes both points
+    assert costs.heads == analytic.heads and costs.shared_params == analytic.shared_params
+    assert "live profile" in costs.source and "rank 0 on a" in costs.source
+    with pytest.raises(PlanError, match="sequence length 16.*planned at 32"):
+        measured_costs(live, ModelCosts.from_model(model, 32))
+
+
+def test_the_planner_times_each_device_at_its_measured_speed(live: LiveProfile) -> None:
+    """Through a Plan's layout: the slow node's blocks take its measured 3x (not its declared 4x), node a's
+    second device its node's median, and the planner's search runs on the measured cluster."""
+    from tessera.plan import Plan
+    from tessera.planner.layout import layout_from_plan, op_times
+
+    model = build_model("llama:4")
+    cluster = measured_cluster(Cluster.from_dict(CLUSTER), live)
+    costs = measured_costs(live, ModelCosts.from_model(model, 16))
+    layout = layout_from_plan(Plan(dp_shares=(1, 1, 1)), cluster, costs, 6)
+    peaks = sorted({unit.peak_tflops for replica in layout.replicas for unit in replica.units})
+    assert peaks == pytest.approx([1 / 3, 1 / 1.05])
+    forward = {replica.units[0].peak_tflops: op_times(layout, costs, replica).forward[0] for replica in layout.replicas}
+    assert forward[peaks[0]] / forward[peaks[1]] == pytest.approx(3 / 1.05)  # same micro-batch (even shares)
+    best = plan_for(cluster, model, 6, costs=costs, top=1)[0]
+    assert best.plan.placement is None or sorted(best.plan.placement) == [0, 1, 2]
+
+
+def test_a_profile_of_another_cluster_or_a_bad_file_is_refused(live: LiveProfile, tmp_path: Path) -> None:
+    other = {**CLUSTER, "nodes": [{"name": "a", "devices": [{"type": "fast", "count": 3}]}]}
+    with pytest.raises(PlanError, match="node 'b'.*profile again"):
+        measured_cluster(Cluster.from_dict(other), live)
+    bigger = {**CLUSTER, "nodes": [*CLUSTER["nodes"], {"name": "c", "devices": [{"type": "slow", "count": 1}]}]}
+    with pytest.raises(PlanError, match="no device of node\\(s\\) c"):
+        measured_cluster(Cluster.from_dict(bigger), live)
+    path = live.save(tmp_path / "live.json")
+    again = LiveProfile.load(path)
+    assert again.ranks[2].profile.layers["block"].forward_s == live.ranks[2].profile.layers["block"].forward_s
+    assert again.links[0].nodes == ("a", "b")
+    (tmp_path / "bad.json").write_text('{"ranks": 3}')
+    with pytest.raises(PlanError, match="not a live profile.*tessera cluster profile"):
+        LiveProfile.load(tmp_path / "bad.json")
