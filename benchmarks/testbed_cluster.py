@@ -135,9 +135,9 @@ def main() -> None:
     planned = plan_for(measured, model, BATCH, costs=costs, top=1)[0].plan
     two = Cluster(measured.nodes[:1], measured.device_types, measured.links, measured.pair_links)
     plans = {"planned": (planned, measured), "uniform": (DDP(), measured), "drop slow": (DDP(), two)}
-    planned.save(work / "planned.yaml")
+    planned.save(work / "planned-plan.yaml")
     plan_dicts = {
-        "planned": ({"file": str(work / "planned.yaml")}, 4),
+        "planned": ({"file": str(work / "planned-plan.yaml")}, 4),
         "uniform": ({"preset": "ddp"}, 4),
         "drop slow": ({"preset": "ddp", "placement": [0, 1]}, 2),
     }

@@ -35,10 +35,12 @@ CLUSTER = {
 
 
 def _scaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` with fixed times (a call of 1 ms plus 0.5 ms per sample forward, twice that backward),
+    times ``factor``: the measured structure, deterministic numbers."""
     data = json.loads(profile.to_json())
     for part in data["layers"].values():
-        for key in ("forward_s", "backward_s"):
-            part[key] = {b: t * factor for b, t in part[key].items()}
+        part["forward_s"] = {b: (1e-3 + 5e-4 * int(b)) * factor for b in part["forward_s"]}
+        part["backward_s"] = {b: 2 * (1e-3 + 5e-4 * int(b)) * factor for b in part["backward_s"]}
     return Profile.from_json(json.dumps(data))
 
 
@@ -47,7 +49,7 @@ def live() -> LiveProfile:
     """Three ranks: two on node a, one on node b three times slower (as a device measured that way would be)."""
     base = profile_model(build_model("llama:4"), batch_sizes=(1, 2), seq_len=16, repeats=1)
     ranks = [
-        RankMeasurement(0, 0, "a", "fast", base, 8.0, 1 << 30, "process max RSS"),
+        RankMeasurement(0, 0, "a", "fast", _scaled(base, 1.0), 8.0, 1 << 30, "process max RSS"),
         RankMeasurement(1, 1, "a", "fast", _scaled(base, 1.1), 6.0, 1 << 30, "process max RSS"),
         RankMeasurement(2, 2, "b", "slow", _scaled(base, 3.0), 2.0, 1 << 30, "process max RSS"),
     ]
@@ -55,7 +57,7 @@ def live() -> LiveProfile:
         LinkMeasurement(("a", "b"), (0, 2), 0.004, 300.0),
         LinkMeasurement(("a", "a"), (0, 1), 1.5, 20.0),
     ]
-    return LiveProfile(base.model_key, 16, "fp32", "a test", ranks, links, 80.0)
+    return LiveProfile(base.model_key, 16, "fp32", "a test", ranks, links, 80.0, 0.003)
 
 
 def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(live: LiveProfile) -> None:
@@ -65,8 +67,10 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     slow = cluster.device_type("b")
     assert slow.name == "b (measured)" and slow.peak("fp32") == pytest.approx(1 / 3)
     assert slow.memory_gib == 4 and slow.bandwidth_gbs == 2.0  # capacity declared, speed measured
+    assert slow.host_bandwidth_gbs == 2.0  # a CPU rank is its own host: offloading to it gains nothing
     assert cluster.device_type("a").bandwidth_gbs == pytest.approx(7.0)  # median optimizer speed of a's ranks
-    assert cluster.link("a", "b").bandwidth_gbs == 0.004 and cluster.link("a", "b").latency_us == 300.0
+    # between nodes: the pair's latency, and at most the all-reduce's bandwidth (a ring is paced by its slowest)
+    assert cluster.link("a", "b").bandwidth_gbs == 0.003 and cluster.link("a", "b").latency_us == 300.0
     assert cluster.link("a", "a").bandwidth_gbs == 1.5
 
 
@@ -75,7 +79,8 @@ def test_measured_costs_are_the_fastest_ranks_profile_with_the_models_shape(live
     analytic = ModelCosts.from_model(model, 16)
     costs = measured_costs(live, analytic)
     block = live.ranks[0].profile.layers["block"]
-    assert costs.forward_s("block", 2, 1.0) == pytest.approx(block.forward_s[2], rel=1e-6)  # the fit passes both points
+    assert costs.forward_s("block", 2, 1.0) == pytest.approx(block.forward_s[2])  # the fitted line passes both points
+    assert costs.parts["block"].call_s == pytest.approx(1e-3) and costs.backward_ratio == pytest.approx(2.0)
     assert costs.heads == analytic.heads and costs.shared_params == analytic.shared_params
     assert "live profile" in costs.source and "rank 0 on a" in costs.source
     with pytest.raises(PlanError, match="sequence length 16.*planned at 32"):

@@ -23,6 +23,9 @@ class DeviceType:
     peak_tflops: dict[str, float] = field(default_factory=dict)  # dtype ("fp32", "bf16", "fp16") -> TFLOP/s
     memory_gib: float = 0.0
     bandwidth_gbs: float = 0.0
+    # Memory speed of the host an offloaded optimizer steps on (None: the planner's default host).
+    # A measured CPU "device" is its own host: offloading then moves nothing and gains nothing.
+    host_bandwidth_gbs: float | None = None
 
     def peak(self, dtype: str) -> float | None:
         """Dense peak for ``dtype`` (None: no fast path for it on this device)."""

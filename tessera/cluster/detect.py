@@ -8,6 +8,7 @@ bandwidth from a timed copy. Measured figures are achieved, not datasheet, and t
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -46,16 +47,24 @@ def catalog_name(device_name: str, memory_gib: float) -> str | None:
     return None
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` calls, after one warm-up call (GPU work waited for)."""
+def median_seconds(fn: Callable[[], Any], repeats: int, min_window_s: float = 0.0) -> float:
+    """Median wall time of one call of ``fn`` over ``repeats`` timed windows, after one warm-up call
+    (GPU work waited for). Each window runs enough calls to last ``min_window_s``: a rank held to a
+    CPU quota is throttled per scheduler period, so a single short call can run at full speed."""
     fn()
+    calls = 1
+    if min_window_s > 0:
+        start = time.perf_counter()
+        fn()
+        calls = max(1, math.ceil(min_window_s / max(time.perf_counter() - start, 1e-6)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 

@@ -34,6 +34,7 @@ class UnitSpec:
     memory_bytes: float  # the smallest member's usable memory
     bandwidth_gbs: float
     tp_link: Link  # slowest link inside the group (unused when tp == 1)
+    host_bandwidth_gbs: float = 0.0  # memory speed of the host an offloaded optimizer steps on (0: HOST_BANDWIDTH)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -
     first, end = layout.stages[stage]
     local = costs.stage_params(first, end) / layout.tp / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload:
-        return 2 * HOST_LINK.seconds(4 * local) + 16 * local / (HOST_BANDWIDTH_GBS * 1e9)
+        host = unit.host_bandwidth_gbs or HOST_BANDWIDTH_GBS
+        return 2 * HOST_LINK.seconds(4 * local) + 16 * local / (host * 1e9)
     return 16 * local / (unit.bandwidth_gbs * 1e9)
 
 
@@ -217,6 +219,7 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
         min(t.memory_gib for t in types) * 2**30 * USABLE_MEMORY,
         min(t.bandwidth_gbs for t in types),
         cluster.worst_link(nodes),
+        min(t.host_bandwidth_gbs or HOST_BANDWIDTH_GBS for t in types),
     )
 
 

@@ -9,8 +9,9 @@ GPU cluster the same command, on this machine optionally the testbed). Each rank
 - records its peak memory;
 
 and for every pair of nodes one rank of each times ping-pongs (latency) and large transfers
-(bandwidth) between them, and two ranks of a node do the same for the intra-node link. Rank 0
-writes the result as JSON.
+(bandwidth: the slope between one push and several back to back, so a token bucket's burst and
+the latency cancel) between them, and two ranks of a node do the same for the intra-node link.
+Last, every rank joins a gradient-sized all-reduce and a tiny one. Rank 0 writes the result as JSON.
 
 The planner then plans from the measurements instead of the cluster file's declared figures:
 :func:`measured_cluster` gives each node a device type whose speed is the node's measured
@@ -40,14 +41,20 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.cluster.catalog import DeviceType
+from tessera.cluster.detect import median_seconds
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
 from tessera.planner.costs import ModelCosts
 from tessera.planner.profile import Profile, profile_model
 
-TRANSFER_BYTES = 2 << 20  # one bandwidth sample: long enough on a shaped link to dwarf its latency
+TRANSFER_BYTES = 2 << 20  # one push of a bandwidth sample
+PUSHES = 4  # back to back: bandwidth is the slope between 1 and PUSHES pushes (a bucket's burst cancels)
 PING_REPEATS = 9
 PUSH_REPEATS = 3
+# Each timing covers at least this many seconds of calls: a CPU quota throttles per 10 ms period, so
+# one short call can run at full speed where a step would not.
+WINDOW_S = 0.2
+REPEATS = 5
 
 
 @dataclass
@@ -59,15 +66,16 @@ class RankMeasurement:
     node: str
     device_type: str  # as declared in the cluster file
     profile: Profile
-    optimizer_gbs: float  # bytes an AdamW step moves (16 per parameter) per second
+    optimizer_gbs: float  # bytes an AdamW step moves (16 per parameter) per second, on the device
     peak_bytes: int
     memory_source: str  # "cuda max allocated" or "process max RSS"
+    host_optimizer_gbs: float = 0.0  # the same on this rank's host CPU (where offload would step it)
 
     def block_s(self) -> float:
-        """Forward plus backward of one block at the largest profiled micro-batch."""
+        """Forward plus backward of one block, summed over the profiled micro-batch sizes (one size's
+        backward, a difference of two timings, is noisier than the sum)."""
         block = self.profile.layers["block"]
-        b = max(block.forward_s)
-        return block.forward_s[b] + block.backward_s[b]
+        return sum(block.forward_s.values()) + sum(block.backward_s.values())
 
 
 @dataclass
@@ -91,6 +99,7 @@ class LiveProfile:
     ranks: list[RankMeasurement]
     links: list[LinkMeasurement] = field(default_factory=list)
     collective_latency_us: float = 0.0  # one tiny all-reduce over every rank
+    all_reduce_gbs: float = 0.0  # bus bandwidth of a gradient-sized all-reduce over every rank
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -127,7 +136,7 @@ def measure_rank(
 ) -> RankMeasurement:
     """Profile ``model``'s parts and an optimizer step on this rank's ``device``."""
     node, _, device_type = cluster.devices()[device_index]
-    profile = profile_model(model, batch_sizes, seq_len, device, device_type.name)
+    profile = profile_model(model, batch_sizes, seq_len, device, device_type.name, REPEATS, WINDOW_S)
     return RankMeasurement(
         dist.get_rank(),
         device_index,
@@ -136,24 +145,19 @@ def measure_rank(
         profile,
         _optimizer_gbs(model, device),
         *_peak_memory(device),
+        _optimizer_gbs(model, torch.device("cpu")) if device.type != "cpu" else 0.0,
     )
 
 
-def _optimizer_gbs(model: nn.Module, device: torch.device, repeats: int = 5) -> float:
+def _optimizer_gbs(model: nn.Module, device: torch.device, repeats: int = 3) -> float:
     """AdamW's memory speed: 16 bytes per parameter (weight, gradient, two moments) over its step time."""
     params = [torch.randn_like(p, device=device, requires_grad=True) for p in model.parameters()][:64]
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     optimizer.step()  # creates the moments
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 16 * sum(p.numel() for p in params) / max(statistics.median(times), 1e-9) / 1e9
+    seconds = median_seconds(optimizer.step, repeats, WINDOW_S)
+    return 16 * sum(p.numel() for p in params) / max(seconds, 1e-9) / 1e9
 
 
 def _peak_memory(device: torch.device) -> tuple[int, str]:
@@ -192,21 +196,38 @@ def _time_pair(src: int, dst: int, device: torch.device) -> tuple[float, float] 
     small = torch.zeros(1, device=device)
     big = torch.zeros(TRANSFER_BYTES // 4, device=device)
 
-    def exchange(payload: torch.Tensor) -> float:
+    def exchange(payload: torch.Tensor, times: int = 1) -> float:
+        """Seconds for ``times`` back-to-back sends of ``payload`` and one acknowledgement."""
         start = time.perf_counter()
         if me == src:
-            dist.send(payload, peer)
+            for _ in range(times):
+                dist.send(payload, peer)
             dist.recv(small, peer)
         else:
-            dist.recv(payload, peer)
+            for _ in range(times):
+                dist.recv(payload, peer)
             dist.send(small, peer)
         return time.perf_counter() - start
 
     exchange(small)  # warm-up: connects the pair
     latency = statistics.median(exchange(small) for _ in range(PING_REPEATS)) / 2
-    push = statistics.median(exchange(big) for _ in range(PUSH_REPEATS))
-    bandwidth = TRANSFER_BYTES / max(push - 2 * latency, 1e-9) / 1e9
+    one = statistics.median(exchange(big) for _ in range(PUSH_REPEATS))
+    many = statistics.median(exchange(big, PUSHES) for _ in range(PUSH_REPEATS))
+    bandwidth = (PUSHES - 1) * TRANSFER_BYTES / max(many - one, 1e-9) / 1e9
     return (bandwidth, latency * 1e6) if me == src else None
+
+
+def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
+    """Bus bandwidth (2(n-1)/n × bytes / time) of an all-reduce of ``nbytes`` over every rank.
+
+    Unlike a pair's transfer it includes what every member does for a ring: with gloo, the
+    reductions and copies run on each rank's CPU, so a slow rank slows every collective it is in."""
+    world = dist.get_world_size()
+    if world == 1:
+        return 0.0
+    t = torch.ones(nbytes // 4, device=device)
+    seconds = median_seconds(lambda: dist.all_reduce(t), 3, WINDOW_S)
+    return 2 * (world - 1) / world * nbytes / seconds / 1e9
 
 
 def collective_latency_us(device: torch.device, repeats: int = 20) -> float:
@@ -252,18 +273,21 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
 
     A node's device type becomes ``<node> (measured)``: its peak is the node's relative speed
     (the fastest rank 1.0) for every dtype the declared type has, its memory speed the median
-    measured optimizer speed, its memory the declared capacity."""
+    measured optimizer speed (and its host's, for offload: the same CPU when the device is one),
+    its memory the declared capacity."""
     _check_matches(cluster, live)
     speeds = relative_speeds(live)
     types: dict[str, DeviceType] = {}
     nodes = []
     for node in cluster.nodes:
         declared = cluster.device_type(node.name)
-        optimizer = statistics.median(r.optimizer_gbs for r in live.ranks if r.node == node.name)
+        mine = [r for r in live.ranks if r.node == node.name]
+        optimizer = statistics.median(r.optimizer_gbs for r in mine)
+        # A CPU rank is its own host (offload would move nothing); a GPU rank's host was timed apart.
+        host = statistics.median(r.host_optimizer_gbs or r.optimizer_gbs for r in mine)
         name = f"{node.name} (measured)"
-        types[name] = DeviceType(
-            name, {dtype: speeds[node.name] for dtype in declared.peak_tflops}, declared.memory_gib, optimizer
-        )
+        peaks = {dtype: speeds[node.name] for dtype in declared.peak_tflops}
+        types[name] = DeviceType(name, peaks, declared.memory_gib, optimizer, host)
         nodes.append(replace(node, device_type=name))
     links = dict(cluster.links)
     pairs = dict(cluster.pair_links)
@@ -273,7 +297,11 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
         links["intra_node"] = Link(slowest.bandwidth_gbs, slowest.latency_us)
     for k in live.links:
         if k.nodes[0] != k.nodes[1]:
-            pairs[frozenset(k.nodes)] = Link(k.bandwidth_gbs, k.latency_us)
+            # A pair's transfer does not show what a ring of all the ranks costs (each member copies and
+            # reduces, a slow one for everyone): collectives between nodes get at most the measured
+            # all-reduce's bandwidth.
+            bandwidth = min(k.bandwidth_gbs, live.all_reduce_gbs or k.bandwidth_gbs)
+            pairs[frozenset(k.nodes)] = Link(bandwidth, k.latency_us)
     return Cluster(tuple(nodes), types, links, pairs)
 
 

@@ -82,7 +82,11 @@ def model_key(model: nn.Module) -> str:
 
 
 def _profile_part(
-    part: nn.Module, make_input: Callable[[int], torch.Tensor], batch_sizes: tuple[int, ...], repeats: int
+    part: nn.Module,
+    make_input: Callable[[int], torch.Tensor],
+    batch_sizes: tuple[int, ...],
+    repeats: int,
+    min_window_s: float = 0.0,
 ) -> LayerProfile:
     prof = LayerProfile(
         param_bytes=sum(p.numel() * p.element_size() for p in part.parameters()),
@@ -90,7 +94,7 @@ def _profile_part(
     )
     for b in batch_sizes:
         x = make_input(b)
-        prof.forward_s[b] = median_seconds(lambda x=x: part(x), repeats)
+        prof.forward_s[b] = median_seconds(lambda x=x: part(x), repeats, min_window_s)
         counter = SavedBytes(exclude=[*part.parameters(), *part.buffers()])
         with counter.track():
             out = part(x)
@@ -102,7 +106,7 @@ def _profile_part(
             out.backward(grad)
 
         # Backward alone: (forward + backward) minus forward.
-        prof.backward_s[b] = max(median_seconds(backward, repeats) - prof.forward_s[b], 0.0)
+        prof.backward_s[b] = max(median_seconds(backward, repeats, min_window_s) - prof.forward_s[b], 0.0)
         part.zero_grad(set_to_none=True)
     return prof
 
@@ -114,8 +118,10 @@ def profile_model(
     device: torch.device | None = None,
     device_type: str = "cpu",
     repeats: int = 3,
+    min_window_s: float = 0.0,
 ) -> Profile:
-    """Time the first part, one block and the last part of ``model`` on ``device``."""
+    """Time the first part, one block and the last part of ``model`` on ``device`` (each timing a window
+    of at least ``min_window_s`` seconds of calls, see :func:`~tessera.cluster.detect.median_seconds`)."""
     from tessera.models.policies import policy_for
     from tessera.parallel.pipeline import StageModule
 
@@ -136,9 +142,9 @@ def profile_model(
         return torch.randn(b, seq_len, hidden, device=device, requires_grad=True)
 
     layers = {
-        "first": _profile_part(first, tokens, batch_sizes, repeats),
-        "block": _profile_part(block, states, batch_sizes, repeats),
-        "last": _profile_part(last, states, batch_sizes, repeats),
+        "first": _profile_part(first, tokens, batch_sizes, repeats, min_window_s),
+        "block": _profile_part(block, states, batch_sizes, repeats, min_window_s),
+        "last": _profile_part(last, states, batch_sizes, repeats, min_window_s),
     }
     return Profile(model_key(model), device_type, seq_len, n_layers, layers)
 

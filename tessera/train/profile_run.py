@@ -23,7 +23,13 @@ def profile(config: str, cluster_file: str, out: str) -> None:
     import tessera
     from tessera.cluster.spec import Cluster
     from tessera.distributed import pick_device
-    from tessera.planner.live_profile import LiveProfile, collective_latency_us, measure_links, measure_rank
+    from tessera.planner.live_profile import (
+        LiveProfile,
+        all_reduce_gbs,
+        collective_latency_us,
+        measure_links,
+        measure_rank,
+    )
     from tessera.planner.profile import model_key
     from tessera.testbed.seat import current_seat, verify_seat
     from tessera.train.build import build_model
@@ -41,12 +47,12 @@ def profile(config: str, cluster_file: str, out: str) -> None:
     precision = plan_from_config(cfg.plan).precision
     mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device)
     links = measure_links(cluster, list(range(world)), device)
-    latency = collective_latency_us(device)
+    latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
-        live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, gathered, links, latency)
+        live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, gathered, links, latency, bus)
         print(f"wrote {live.save(out)}", flush=True)
 
 
