@@ -1,0 +1,195 @@
+"""One prepared GPU check (≤ 8 minutes on one H100/H200): what only a GPU can show.
+
+1. **Step time and MFU**, bf16, a ~1 B-parameter Llama (dim 2048, 16 layers, seq 2048, batch 4)
+   on one GPU: Tessera (``ZeRO(stage=3, precision="bf16")``, FSDP2 underneath) against plain
+   PyTorch FSDP2 with the same mixed-precision policy, eager and with every block compiled.
+   Interleaved: each repetition runs every system once on a fresh model. MFU = 6 × parameters ×
+   tokens per second / the device's bf16 dense peak (from the catalogue).
+2. **CPU offload parity on CUDA** (offload moves nothing on CPU, so only here is it tested):
+   ``ZeRO(stage=3, offload=True)`` against ``ZeRO(stage=3)`` on a small model, a few fp32 steps:
+   losses within 1e-5 relative, and the offloaded parameters' shards really live on the host.
+
+``--tiny`` runs the same code on CPU with a tiny model in seconds (the test suite does, so the
+script keeps working between GPU sessions); its figures mean nothing.
+
+    python benchmarks/gpu_check.py --json gpu_check.json          # on the GPU machine
+    python benchmarks/gpu_check.py --tiny --json /tmp/tiny.json   # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+BIG = {"dim": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 5632, "vocab_size": 32000}
+TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 256}
+SYSTEMS = ("tessera-zero3", "torch-fsdp2", "torch-fsdp2-compiled")
+
+
+def llama(shape: dict, seq: int) -> torch.nn.Module:
+    from tessera.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(max_seq_len=seq, **shape))
+
+
+def batches(shape: dict, batch: int, seq: int, device: torch.device, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, shape["vocab_size"], (batch, seq + 1), generator=g).to(device) for _ in range(n)]
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------ step time and MFU
+def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device: torch.device, dtype: str) -> float:
+    """Median seconds per training step of ``name`` (after two warm-up steps)."""
+    import tessera
+
+    model = llama(shape, seq).to(device)
+    data = batches(shape, batch, seq, device, steps + 2)
+    if name == "tessera-zero3":
+        booster = tessera.Booster(tessera.ZeRO(stage=3, precision=dtype))
+        model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+        def step(tokens: torch.Tensor) -> None:
+            booster.backward(loss_of(model, tokens), opt)
+            opt.step()
+            opt.zero_grad()
+
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        for block in model.layers:
+            if name.endswith("compiled"):  # tiny mode: dynamo's tracing without code generation, for speed
+                block.compile(backend="inductor" if device.type == "cuda" else "eager")
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(tokens: torch.Tensor) -> None:
+            loss_of(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+
+    times = []
+    for i, tokens in enumerate(data):
+        sync(device)
+        start = time.perf_counter()
+        step(tokens)
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_times(shape: dict, seq: int, batch: int, steps: int, reps: int, device: torch.device, dtype: str) -> dict:
+    from tessera.cluster.catalog import CATALOG
+
+    params = sum(p.numel() for p in llama(shape, seq).parameters())
+    runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for rep in range(reps):
+        for name in SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]:  # rotated order
+            runs[name].append(run_system(name, shape, seq, batch, steps, device, dtype))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the last system's model is gone: hand its memory back
+            print(f"rep {rep} {name:22s} {runs[name][-1]:.4f} s/step", flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    entry = next((t for key, t in CATALOG.items() if key.split("-")[0] in name), None)
+    peak = entry.peak(dtype) if entry is not None else None
+    out = {"device": name, "params": params, "tokens_per_step": batch * seq, "peak_tflops": peak, "systems": {}}
+    for system, times in runs.items():
+        step = statistics.median(times)
+        tflops = 6 * params * batch * seq / step / 1e12
+        out["systems"][system] = {
+            "step_s": step,
+            "runs_s": times,
+            "tflops": tflops,
+            "mfu": tflops / peak if peak else None,
+        }
+    base = out["systems"]["torch-fsdp2"]["step_s"]
+    for system in SYSTEMS:
+        out["systems"][system]["step_over_torch_fsdp2"] = out["systems"][system]["step_s"] / base
+    return out
+
+
+# ------------------------------------------------------------------ offload parity
+def offload_parity(device: torch.device, steps: int = 4) -> dict:
+    """ZeRO-3 with and without CPU offload: same losses, and the offloaded shards on the host."""
+    import tessera
+
+    shape, seq = {**TINY, "dim": 128}, 64
+    data = batches(shape, 4, seq, device, steps)
+    results: dict[str, Any] = {}
+    for offload in (False, True):
+        model = llama(shape, seq).to(device)
+        booster = tessera.Booster(tessera.ZeRO(stage=3, offload=offload))
+        model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        losses = []
+        for tokens in data:
+            loss = loss_of(model, tokens.to(device))
+            booster.backward(loss, opt)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(booster.reduce_loss(loss)))
+        homes = {str(tessera.distributed.local(p).device) for p in model.parameters()}
+        results["offload" if offload else "resident"] = {"losses": losses, "parameter_devices": sorted(homes)}
+    ref, off = results["resident"]["losses"], results["offload"]["losses"]
+    results["max_relative_loss_difference"] = max(abs(a - b) / abs(a) for a, b in zip(ref, off))
+    results["offloaded_to_host"] = results["offload"]["parameter_devices"] == ["cpu"]
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU, a tiny model, seconds: keeps the script working")
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import tessera
+
+    tessera.init()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    shape, seq, batch = (BIG, 2048, 4) if cuda else (TINY, 32, 2)
+    reps, steps = args.reps or (3 if cuda else 1), args.steps or (6 if cuda else 2)
+    dtype = "bf16" if cuda else "fp32"
+    start = time.monotonic()
+    out = {"mode": "gpu" if cuda else "tiny cpu (figures mean nothing)", "dtype": dtype}
+    out["step_time"] = step_times(shape, seq, batch, steps, reps, device, dtype)
+    out["offload_parity"] = offload_parity(device)
+    out["wall_s"] = time.monotonic() - start
+    for system, row in out["step_time"]["systems"].items():
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+        print(f"{system:22s} {row['step_s']:.4f} s/step  {row['tflops']:.1f} TFLOP/s  MFU {mfu}  "
+              f"x{row['step_over_torch_fsdp2']:.2f} of torch-fsdp2")  # fmt: skip
+    parity = out["offload_parity"]
+    print(f"offload parity: max relative loss difference {parity['max_relative_loss_difference']:.2e}, "
+          f"offloaded parameters on {parity['offload']['parameter_devices']}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
