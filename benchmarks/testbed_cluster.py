@@ -9,8 +9,9 @@ namespace joined to the others by veth pairs shaped with ``tc tbf`` (``--link-mb
    AdamW's memory speed) and every link. The planner plans from that live profile, not from the
    cluster file's declared speeds (``tessera.planner.live_profile``).
 2. Three plans run in turn (interleaved, ``--reps`` times each) through the real launcher:
-   *planned* (the planner's best from the live profile), *uniform* (DDP, equal shares on all
-   four devices) and *drop slow* (DDP on the two fast devices only, at the same quotas).
+   *planned* (the planner's best from the live profile, which may leave devices out), *uniform*
+   (DDP, equal shares on all four devices) and *drop slow* (DDP on the two fast devices only, at
+   the same quotas).
 3. Reported: the median step time over steps 3.. of each run (rank 0's ``step_time_s``; the loss
    all-reduce in it waits for the slowest rank), tokens/s, ratios, and what the cost model and the
    simulator predicted for each plan from the live profile.
@@ -108,6 +109,7 @@ def main() -> None:
     from tessera import DDP
     from tessera.cluster.spec import Cluster
     from tessera.planner import ModelCosts, plan_for
+    from tessera.planner.layout import ranks_of
     from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
     from tessera.train.build import build_model
     from tessera.train.config import load_config
@@ -132,12 +134,15 @@ def main() -> None:
     declared = Cluster.from_dict(spec)
     measured = measured_cluster(declared, live)
     costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
-    planned = plan_for(measured, model, BATCH, costs=costs, top=1)[0].plan
+    best = plan_for(measured, model, BATCH, costs=costs, top=1)[0]
+    planned = best.plan
+    for note in best.notes:
+        print(f"planner: {note}")
     two = Cluster(measured.nodes[:1], measured.device_types, measured.links, measured.pair_links)
     plans = {"planned": (planned, measured), "uniform": (DDP(), measured), "drop slow": (DDP(), two)}
     planned.save(work / "planned-plan.yaml")
     plan_dicts = {
-        "planned": ({"file": str(work / "planned-plan.yaml")}, 4),
+        "planned": ({"file": str(work / "planned-plan.yaml")}, ranks_of(planned, measured)),
         "uniform": ({"preset": "ddp"}, 4),
         "drop slow": ({"preset": "ddp", "placement": [0, 1]}, 2),
     }
@@ -169,6 +174,7 @@ def main() -> None:
             f"{row['simulator_s']:.3f} s ({row['simulator_s'] / row['measured_step_s'] - 1:+.0%})"
         )
     print(f"planned: {planned.to_dict()}")
+    rows["planned"]["notes"] = list(best.notes)
     if args.json:
         out = {"cpus": args.cpus, "link_mbit": args.link_mbit, "live_profile": json.loads(live.to_json()), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")

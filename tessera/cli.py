@@ -61,10 +61,9 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from tessera.cluster.spec import Cluster
-    from tessera.planner import ModelCosts
+    from tessera.planner import ModelCosts, plan_for
     from tessera.planner.draw import draw
     from tessera.planner.precision import choose_precision
-    from tessera.planner.search import search
     from tessera.train.build import build_model
     from tessera.train.config import load_config, plan_from_config
 
@@ -77,14 +76,16 @@ def _plan(args: argparse.Namespace) -> int:
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = build_model(cfg)
     requested = args.precision or plan_from_config(cfg.plan).precision
-    precision, note = choose_precision(cluster, requested, args.pin_precision)
+    precision, precision_note = choose_precision(cluster, requested, args.pin_precision)
     costs = ModelCosts.from_model(model, cfg.data.seq_len, precision)
     if args.profile:  # plan from what `tessera cluster profile` measured, not from declared figures
         from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs
 
         live = LiveProfile.load(args.profile)
         cluster, costs = measured_cluster(cluster, live), measured_costs(live, costs)
-    found = search(cluster, costs, args.global_batch, top=args.top)
+    found = plan_for(
+        cluster, model, args.global_batch, precision=precision, top=args.top, costs=costs, pin_precision=True
+    )  # the precision is settled above (with its note on the best candidate when it was chosen)
     print(
         f"{len(found)} best plans for {costs.name} ({costs.source} costs, seq {costs.seq_len}, {costs.precision}) "
         f"on {cluster.world_size} devices, global batch {args.global_batch}:"
@@ -106,8 +107,8 @@ def _plan(args: argparse.Namespace) -> int:
         elif p.dp_shares or p.pipeline.stages:
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
     best = found[0]
-    if note:
-        print(f"precision: {note}")
+    for line in ([precision_note] if precision_note else []) + list(best.notes):
+        print(f"note: {line}")
     _print_launch(best.plan, cluster)
     best.plan.save(args.out)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
@@ -117,11 +118,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _print_launch(plan, cluster) -> None:
     """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn."""
+    from tessera.planner.layout import ranks_of
+
     if len(cluster.nodes) == 1:
         return
     devices = cluster.devices()
     order: list[str] = []
-    for rank in range(len(devices)):
+    for rank in range(ranks_of(plan, cluster)):
         node = devices[plan.device_of(rank)][0]
         if not order or order[-1] != node:
             order.append(node)
@@ -300,6 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--global-batch", type=_count(1), help="samples per optimizer step")
     plan.add_argument("--top", type=_count(1), default=5, help="how many plans to list")
     plan.add_argument("--profile", help="a live profile (tessera cluster profile): plan from measured speeds and links")
+    plan.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        help="compute precision (default: the config's plan.precision); bf16 or auto beside devices without "
+        "bf16 plans fp16 with loss scaling",
+    )
+    plan.add_argument(
+        "--pin-precision", action="store_true", help="keep the precision as asked: refuse devices without it"
+    )
     plan.add_argument("--out", default="plan.yaml", help="where to write the best Plan")
     plan.add_argument("--png", default="plan.png", help="where to draw devices by stage and the simulated timeline")
     plan_sub = plan.add_subparsers(dest="plan_command")

@@ -266,7 +266,8 @@ class Plan:
         rank_devices: optional device label per global rank (heterogeneous clusters).
         placement: the cluster device (its index in the cluster file's order) each rank runs on;
             the planner uses it to put each device where it belongs on the mesh (ranks are laid out
-            row-major over pp, dp, tp|sp). ``None``: rank i runs on device i.
+            row-major over pp, dp, tp|sp). ``None``: rank i runs on device i. A plan may leave devices
+            out (the planner does when a slow device costs more than it gives): they are not named.
         replicas: data-parallel replicas whose pipelines differ in depth (:class:`Replica`), instead
             of dp × pp: replica i takes the next ``depth`` ranks, one stage each, and every layer's
             gradient is averaged over the ranks that hold it. Needs tp = sp = pp = 1 and ZeRO-0;
@@ -465,10 +466,10 @@ class Plan:
             raise PlanError(
                 f"Plan.rank_devices names {len(self.rank_devices)} devices but the job has {world_size} ranks."
             )
-        if self.placement is not None and sorted(self.placement) != list(range(world_size)):
+        if self.placement is not None and (len(self.placement) != world_size or len(set(self.placement)) != world_size):
             raise PlanError(
-                f"Plan.placement must list every device 0..{world_size - 1} exactly once (the device each rank "
-                f"runs on), got {list(self.placement)}."
+                f"Plan.placement must name {world_size} different cluster devices, one per rank (the device each "
+                f"rank runs on; devices left out of the job are simply not named), got {list(self.placement)}."
             )
 
     @property

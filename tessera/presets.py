@@ -93,13 +93,15 @@ def Auto(
     seq_len: int | None = None,
     precision: str = "fp32",
     pin_precision: bool = False,
+    use_every_device: bool = False,
 ) -> Plan:
     """The planner's fastest Plan for ``model`` on ``cluster`` (a cluster file or :class:`Cluster`).
 
     Devices of different speed and memory get different work: uneven data-parallel shares,
     uneven pipeline stages, each device placed on the mesh (``Plan.placement``).
     ``precision="bf16"`` (or ``"auto"``) beside devices without bf16 plans fp16 with loss scaling
-    unless ``pin_precision``.
+    unless ``pin_precision``. The Plan may leave the slowest devices out when they would cost more
+    than they give (launch ``len(plan.placement)`` ranks then) unless ``use_every_device``.
     ``tessera plan`` shows the runners-up and why.
 
     Example:
@@ -109,7 +111,14 @@ def Auto(
     from tessera.planner import plan_for
 
     best = plan_for(
-        cluster, model, global_batch_size, seq_len=seq_len, precision=precision, top=1, pin_precision=pin_precision
+        cluster,
+        model,
+        global_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        top=1,
+        pin_precision=pin_precision,
+        use_every_device=use_every_device,
     )[0]
     for note in best.notes:  # e.g. fp16 chosen where a device has no bf16: the user should know
         warnings.warn(f"tessera.Auto: {note}", stacklevel=2)

@@ -45,13 +45,14 @@ def cluster_file(tmp_path: Path) -> Path:
 
 def test_planner_output_trains_like_one_process_on_emulated_devices(cluster_file: Path, monkeypatch) -> None:
     model = build_model("llama:4")
-    best = Auto(cluster_file, model, global_batch_size=BATCH)
+    best = Auto(cluster_file, model, global_batch_size=BATCH, use_every_device=True)  # 4 ranks: every device
     # The runners-up too: uneven shares with a different placement.
-    others = [c.plan for c in plan_for(cluster_file, model, BATCH, top=8)[1:] if c.plan.dp_shares is not None]
+    runners_up = plan_for(cluster_file, model, BATCH, top=8, use_every_device=True)[1:]
+    others = [c.plan for c in runners_up if c.plan.dp_shares is not None]
     # And replicas whose pipelines differ in depth (two full-speed devices as one two-stage pipeline).
     mixed = next(
         c.plan
-        for c in plan_for(cluster_file, model, BATCH, top=40)
+        for c in plan_for(cluster_file, model, BATCH, top=40, use_every_device=True)
         if c.plan.replicas is not None and len({r.depth for r in c.plan.replicas}) > 1
     )
     plans = [best, *others[:2], mixed]

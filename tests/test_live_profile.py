@@ -101,7 +101,7 @@ def test_the_planner_times_each_device_at_its_measured_speed(live: LiveProfile) 
     assert peaks == pytest.approx([1 / 3, 1 / 1.05])
     forward = {replica.units[0].peak_tflops: op_times(layout, costs, replica).forward[0] for replica in layout.replicas}
     assert forward[peaks[0]] / forward[peaks[1]] == pytest.approx(3 / 1.05)  # same micro-batch (even shares)
-    best = plan_for(cluster, model, 6, costs=costs, top=1)[0]
+    best = plan_for(cluster, model, 6, costs=costs, top=1, use_every_device=True)[0]
     assert best.plan.placement is None or sorted(best.plan.placement) == [0, 1, 2]
 
 
@@ -119,3 +119,22 @@ def test_a_profile_of_another_cluster_or_a_bad_file_is_refused(live: LiveProfile
     (tmp_path / "bad.json").write_text('{"ranks": 3}')
     with pytest.raises(PlanError, match="not a live profile.*tessera cluster profile"):
         LiveProfile.load(tmp_path / "bad.json")
+
+
+def test_a_slow_device_that_costs_more_than_it_gives_is_left_out(live: LiveProfile) -> None:
+    """Node b computes at a third of a's speed and hangs off a 3 MB/s link: every gradient all-reduce
+    with it in costs more than its samples save, so the best plan runs on node a alone, and says so."""
+    from tessera.planner.costmodel import estimate
+    from tessera.planner.layout import layout_from_plan
+
+    model = build_model("llama:4")
+    cluster = measured_cluster(Cluster.from_dict(CLUSTER), live)
+    costs = measured_costs(live, ModelCosts.from_model(model, 16))
+    best = plan_for(cluster, model, 8, costs=costs, top=3)[0]
+    assert best.plan.placement is not None and sorted(best.plan.placement) == [0, 1], best.plan
+    assert any("uses 2 of 3 devices, leaving out b:0" in n for n in best.notes), best.notes
+    again = estimate(layout_from_plan(best.plan, cluster, costs, 8), costs).step_s  # the plan, on the full cluster
+    assert again == pytest.approx(best.estimate.step_s, rel=1e-9)
+    everyone = plan_for(cluster, model, 8, costs=costs, top=1, use_every_device=True)[0]
+    assert everyone.plan.placement is None or sorted(everyone.plan.placement) == [0, 1, 2]
+    assert everyone.estimate.step_s > best.estimate.step_s

@@ -18,6 +18,7 @@ from tessera.errors import PlanError
 from tessera.planner.costs import ModelCosts
 from tessera.planner.precision import choose_precision
 from tessera.planner.search import Candidate, search
+from tessera.planner.subsets import on_full_cluster, subsets
 
 
 def sequence_length(model: nn.Module) -> int:
@@ -39,11 +40,14 @@ def plan_for(
     top: int = 5,
     costs: ModelCosts | None = None,
     pin_precision: bool = False,
+    use_every_device: bool = False,
 ) -> list[Candidate]:
     """The ``top`` fastest plans for ``model`` on ``cluster`` (build the model on the meta device:
     only its shapes are read). ``costs`` replaces the analytic per-layer costs (e.g. a profile).
     ``precision`` bf16 (or "auto") beside devices without bf16 plans fp16 with loss scaling unless
-    ``pin_precision`` (:func:`~tessera.planner.precision.choose_precision`; the ``notes`` say so)."""
+    ``pin_precision`` (:func:`~tessera.planner.precision.choose_precision`; the ``notes`` say so).
+    Plans that leave the slowest devices out compete too (:mod:`~tessera.planner.subsets`; their
+    ``notes`` and ``Plan.placement`` say which) unless ``use_every_device``."""
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
     precision, note = choose_precision(cluster, precision, pin_precision)
     if costs is None:
@@ -51,6 +55,14 @@ def plan_for(
     elif costs.precision != precision:
         costs = costs.with_precision(precision)
     found = search(cluster, costs, global_batch_size, top=top)
+    if not use_every_device:
+        for sub, kept in subsets(cluster, precision):  # without the slowest devices: can a smaller job win?
+            try:
+                smaller = search(sub, costs, global_batch_size, top=top)
+            except PlanError:  # does not fit, or the batch is too small for it
+                continue
+            found += [on_full_cluster(c, kept, cluster) for c in smaller]
+        found = sorted(found, key=lambda c: c.estimate.step_s)[:top]
     return [replace(c, notes=(*c.notes, note)) for c in found] if note else found
 
 

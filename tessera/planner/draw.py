@@ -15,6 +15,7 @@ from pathlib import Path
 from tessera.cluster.spec import Cluster
 from tessera.parallel.replicas import replica_ranks
 from tessera.planner.costs import ModelCosts
+from tessera.planner.layout import ranks_of
 from tessera.planner.simulate import simulate
 
 COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "optimizer": "#8172b3"}
@@ -29,7 +30,7 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
 
     plan, layout = candidate.plan, candidate.layout
     if plan.replicas is not None:  # replicas of different depth: one row per rank
-        rows, shape = cluster.world_size, f"replicas of depths {'+'.join(str(r.depth) for r in plan.replicas)}"
+        rows, shape = ranks_of(plan, cluster), f"replicas of depths {'+'.join(str(r.depth) for r in plan.replicas)}"
     else:
         rows, shape = layout.pp * len(layout.replicas), f"dp={plan.dp} tp={plan.tp} pp={plan.pp}"
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * max(8, rows)))
@@ -50,10 +51,14 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
 def _devices(ax, plan, cluster: Cluster, cmap) -> None:
     """One square per device, row per node, coloured by stage, labelled with its replica."""
     devices = cluster.devices()
-    where = {plan.device_of(rank): rank for rank in range(len(devices))}
+    where = {plan.device_of(rank): rank for rank in range(ranks_of(plan, cluster))}
     per_stage = (plan.dp or 1) * plan.tp
     row_of = {node.name: i for i, node in enumerate(cluster.nodes)}
     for index, (node, local, _) in enumerate(devices):
+        if index not in where:  # left out of the job by the plan
+            ax.add_patch(_square(local, row_of[node], "lightgrey"))
+            ax.text(local + 0.5, row_of[node] + 0.5, "out", ha="center", va="center", fontsize=7)
+            continue
         rank = where[index]
         if plan.replicas is not None:  # replicas of different depth take consecutive ranks
             position = replica_ranks(plan, rank)

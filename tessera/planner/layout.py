@@ -161,12 +161,17 @@ def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -
 
 
 # --------------------------------------------------------------------- from a Plan
+def ranks_of(plan: Plan, cluster: Cluster) -> int:
+    """How many ranks ``plan`` runs on ``cluster``: one per placed device, or one per device."""
+    return len(plan.placement) if plan.placement is not None else cluster.world_size
+
+
 def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> Layout:
     """The Layout of a resolved ``plan`` on ``cluster`` (rank i runs on cluster device
     ``plan.device_of(i)``, in the cluster file's order)."""
     if plan.replicas is not None:  # replicas of different depth: no grid
         return mixed_layout_from_plan(plan, cluster, costs, global_batch)  # type: ignore[return-value]
-    world = cluster.world_size
+    world = ranks_of(plan, cluster)
     plan = plan.resolve(world)
     devices = cluster.devices()
     order = [plan.device_of(rank) for rank in range(world)]
@@ -226,12 +231,13 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
 def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> MixedLayout:
     """The MixedLayout of a ``Plan.replicas`` plan on ``cluster`` (rank i on device ``plan.device_of(i)``)."""
     assert plan.replicas is not None
-    plan = plan.resolve(cluster.world_size)
+    world = ranks_of(plan, cluster)
+    plan = plan.resolve(world)
     devices = cluster.devices()
     samples = plan.samples_per_rank(global_batch)
     m = plan.pipeline.microbatches
     r = len(plan.replicas)
-    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(cluster.world_size)})
+    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(world)})
     parts, placed = [], []
     for i, (replica, n) in enumerate(zip(plan.replicas, samples)):
         ranks = plan.replica_ranks(i)
