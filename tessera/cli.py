@@ -109,15 +109,19 @@ def _plan(args: argparse.Namespace) -> int:
     best = found[0]
     for line in ([precision_note] if precision_note else []) + list(best.notes):
         print(f"note: {line}")
-    _print_launch(best.plan, cluster)
+    _print_launch(best.plan, cluster, args.out)
     best.plan.save(args.out)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
     return 0
 
 
-def _print_launch(plan, cluster) -> None:
-    """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn."""
+CONSOLE_LAUNCH_NODES = 4  # more nodes than this: one line per node in a file, a summary on the console
+
+
+def _print_launch(plan, cluster, out: str) -> None:
+    """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn. Up to a few
+    nodes on the console; more in ``<out>.launch.txt``, one torchrun command per node."""
     from tessera.planner.layout import ranks_of
 
     if len(cluster.nodes) == 1:
@@ -128,10 +132,20 @@ def _print_launch(plan, cluster) -> None:
         node = devices[plan.device_of(rank)][0]
         if not order or order[-1] != node:
             order.append(node)
-    launch = ", ".join(
-        f"{node} --node-rank {k} --nproc-per-node {cluster.node(node).count}" for k, node in enumerate(order)
+    lines = [
+        f"{node}: torchrun --nnodes {len(order)} --node-rank {k} --nproc-per-node {cluster.node(node).count}"
+        for k, node in enumerate(order)
+    ]
+    if len(order) <= CONSOLE_LAUNCH_NODES:
+        print("launch plan 0 with torchrun, one command per node:\n  " + "\n  ".join(lines))
+        return
+    path = Path(out).with_suffix(".launch.txt")
+    check_output_file(str(path), "the launch file", force=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(
+        f"launch plan 0 on {len(order)} nodes ({ranks_of(plan, cluster)} ranks) with torchrun: one command per "
+        f"node in {path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1})"
     )
-    print(f"launch plan 0 with torchrun --nnodes {len(order)}: {launch}")
 
 
 def _train(args: argparse.Namespace) -> int:

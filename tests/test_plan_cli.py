@@ -40,3 +40,16 @@ def test_plan_refuses_a_global_batch_smaller_than_the_data_parallel_ranks(tmp_pa
     code, _, err = _run(tmp_path, capsys, five, "--global-batch", "1")
     assert code == 2
     assert "tessera: error: global_batch_size=1 is smaller than the number of data-parallel ranks" in err
+
+
+def test_launch_instructions_for_many_nodes_go_to_a_file(tmp_path: Path, capsys) -> None:
+    """Six nodes: the console gets a one-line summary, the file one torchrun command per node."""
+    six = "nodes:\n" + "".join(f"  - {{name: n{i}, devices: [{{type: A100-80GB, count: 2}}]}}\n" for i in range(6))
+    code, out, err = _run(tmp_path, capsys, six, "--global-batch", "24", "--top", "1")
+    assert code == 0, err
+    lines = (tmp_path / "plan.launch.txt").read_text().splitlines()
+    assert len(lines) == 6 and all("--nnodes 6" in line and "--nproc-per-node 2" in line for line in lines), lines
+    assert sorted(int(line.split("--node-rank ")[1].split()[0]) for line in lines) == list(range(6))
+    summary = [line for line in out.splitlines() if line.startswith("launch plan 0")]
+    assert len(summary) == 1 and "one command per node in" in summary[0], summary
+    assert not any(f"n{i} " in summary[0] for i in (1, 2, 3, 4)), summary  # a summary, not the list
