@@ -47,16 +47,22 @@ def catalog_name(device_name: str, memory_gib: float) -> str | None:
     return None
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, min_window_s: float = 0.0) -> float:
+def median_seconds(
+    fn: Callable[[], Any], repeats: int, min_window_s: float = 0.0, agree: Callable[[int], int] | None = None
+) -> float:
     """Median wall time of one call of ``fn`` over ``repeats`` timed windows, after one warm-up call
     (GPU work waited for). Each window runs enough calls to last ``min_window_s``: a rank held to a
-    CPU quota is throttled per scheduler period, so a single short call can run at full speed."""
+    CPU quota is throttled per scheduler period, so a single short call can run at full speed.
+    ``agree`` maps this process's call count to the one to use: when ``fn`` is a collective, every
+    rank must make the same number of calls."""
     fn()
     calls = 1
     if min_window_s > 0:
         start = time.perf_counter()
         fn()
         calls = max(1, math.ceil(min_window_s / max(time.perf_counter() - start, 1e-6)))
+        if agree is not None:
+            calls = agree(calls)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

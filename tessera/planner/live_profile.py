@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import resource
 import statistics
 import time
@@ -227,19 +226,14 @@ def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
     if world == 1:
         return 0.0
     t = torch.ones(nbytes // 4, device=device)
-    dist.all_reduce(t)  # warm-up
-    start = time.perf_counter()
-    dist.all_reduce(t)
-    # Every rank must run the same number of collectives: agree on the window's count (the largest asked).
-    calls = torch.tensor([math.ceil(WINDOW_S / max(time.perf_counter() - start, 1e-6))], device=device)
-    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-    windows = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(int(calls.item())):
-            dist.all_reduce(t)
-        windows.append((time.perf_counter() - start) / int(calls.item()))
-    return 2 * (world - 1) / world * nbytes / statistics.median(windows) / 1e9
+
+    def largest(calls: int) -> int:  # every rank must run the same number of collectives: the largest asked
+        count = torch.tensor([calls], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count.item())
+
+    seconds = median_seconds(lambda: dist.all_reduce(t), 3, WINDOW_S, agree=largest)
+    return 2 * (world - 1) / world * nbytes / seconds / 1e9
 
 
 def collective_latency_us(device: torch.device, repeats: int = 20) -> float:
