@@ -1,12 +1,14 @@
 """Heterogeneous-issue part 3: cost model, simulator and search.
 
 The planner's best plan must equal the exhaustive optimum under the cost model on generated
-small clusters, never exceed a device's memory, agree with the simulator, and hand the runtime a
-Plan that describes exactly the layout it costed.
+small clusters, never exceed a device's memory, and hand the runtime a Plan that describes exactly
+the layout it costed. The simulator is tested on its own mechanisms (shared links, DDP's
+overlapped buckets, FSDP's prefetch, the schedule's order), never by agreeing with the cost model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -69,37 +71,92 @@ def test_returned_plan_describes_the_layout_it_was_costed_as(costs: ModelCosts, 
         assert rebuilt.global_batch == BATCH
 
 
-def _plans_for_agreement() -> list:
-    return [
-        Hybrid(pp=2, microbatches=4),
-        Hybrid(pp=2, microbatches=8, stages=[(0, 3), (3, 4)]),
-        Hybrid(pp=4, microbatches=8),
-        Hybrid(pp=4, microbatches=2, schedule="gpipe"),
-        Hybrid(pp=2, tp=2, microbatches=4, zero=3),
-        Hybrid(dp_shares=[6, 6, 2, 2]),
-        Hybrid(pp=2, microbatches=2, dp_shares=[4, 4], stages=[(0, 1), (1, 4)], recompute="full"),
-    ]
+def _two_nodes(link_gbs: float) -> Cluster:
+    """Two A10s on two nodes joined by a link of ``link_gbs`` GB/s."""
+    return Cluster.from_dict(
+        {
+            "nodes": [{"name": "a", "devices": [{"type": "A10", "count": 1}]},
+                      {"name": "b", "devices": [{"type": "A10", "count": 1}]}],
+            "links": {"inter_node": {"bandwidth_gbs": link_gbs, "latency_us": 10}},
+        }
+    )  # fmt: skip
 
 
-def test_simulator_and_cost_model_agree_within_five_percent(costs: ModelCosts) -> None:
+def test_flows_on_one_link_share_its_bandwidth() -> None:
+    """Two transfers on one link each take twice as long as one alone; on two links, as long as one."""
+    from tessera.planner.simulate import _Engine
+
+    def finish(channels: list[tuple]) -> list[float]:
+        engine = _Engine()
+        for c in {c for chans in channels for c in chans}:
+            engine.channel(c, 1.0)  # 1 GB/s
+        tasks = [engine.add((), [], volume=1e9, channels=chans) for chans in channels]
+        engine.run()
+        return [engine.tasks[t].end for t in tasks]
+
+    assert finish([("x",)]) == pytest.approx([1.0])
+    assert finish([("x",), ("x",)]) == pytest.approx([2.0, 2.0])
+    assert finish([("x",), ("y",)]) == pytest.approx([1.0, 1.0])
+    # the one alone on y still waits for its share of x: x carries two until the short one leaves
+    three = finish([("x", "y"), ("x",), ("z",)])
+    assert three == pytest.approx([2.0, 2.0, 1.0])
+
+
+def _compute_s(costs: ModelCosts, layout, backward: bool) -> float:
+    """Seconds of one micro-batch's pass through all parts, from the per-part inputs."""
+    peak, b = layout.replicas[0].units[0].peak_tflops, layout.replicas[0].micro_batch
+    forward = sum(costs.forward_s(p, b, peak) * k for p, k in costs.stage_parts(0, costs.n_layers))
+    return forward * (costs.backward_ratio if backward else 1.0)
+
+
+def test_ddp_buckets_overlap_the_backward(costs: ModelCosts) -> None:
+    """DDP's all-reduces start while the backward still runs: the step is shorter than compute then
+    the whole all-reduce, and no shorter than either alone (the cost model adds them: no overlap)."""
+    link_gbs = 4.0
+    layout = layout_from_plan(Hybrid(), _two_nodes(link_gbs), costs, 8)
+    sim = simulate(layout, costs)
+    compute = _compute_s(costs, layout, False) + _compute_s(costs, layout, True)
+    grads = 4 * costs.stage_params(0, costs.n_layers)
+    all_reduce = grads / (link_gbs * 1e9)  # ring of two: each rank sends half twice
+    assert all_reduce > 0.3 * compute  # the case is one where overlap matters
+    assert sim.step_s < compute + 0.8 * all_reduce
+    assert sim.step_s > max(compute, all_reduce)
+    backward = next(e for e in sim.events if e.kind == "backward")
+    sync = next(e for e in sim.events if e.kind == "sync")
+    assert sync.start < backward.end - 0.5 * (backward.end - backward.start)
+    assert estimate(layout, costs).step_s >= compute + all_reduce
+
+
+def test_fsdp_gathers_one_unit_ahead(costs: ModelCosts) -> None:
+    """ZeRO-3: each block's gather runs while the previous block computes, so a forward takes less
+    than its compute plus every gather, yet no less than the gathers' transfer alone."""
+    link_gbs = 5.0
+    layout = layout_from_plan(Hybrid(zero=3), _two_nodes(link_gbs), costs, 8)
+    sim = simulate(layout, costs)
+    forward = next(e for e in sim.events if e.kind == "forward")
+    # fp16 parameters; half of them arrive from the other rank
+    gathers = 2 * costs.stage_params(0, costs.n_layers) / 2 / (link_gbs * 1e9)
+    compute = _compute_s(costs, layout, False)
+    assert gathers > 0.3 * compute
+    assert forward.end < compute + 0.9 * gathers  # from the step's start: the first gather is exposed
+    assert forward.end > max(compute, gathers)
+
+
+def test_sharing_a_link_makes_a_placed_layout_no_faster(costs: ModelCosts) -> None:
+    """A layout built from a Plan knows its nodes: a pipeline whose data-parallel ring crosses the
+    stage link shares it, so it is slower than the same layout with links of its own."""
     cluster = Cluster.from_dict(
         {
-            "nodes": [
-                {"name": "a", "devices": [{"type": "A100-80GB", "count": 2}]},
-                {"name": "b", "devices": [{"type": "T4", "count": 2}]},
-            ]
+            "nodes": [{"name": "a", "devices": [{"type": "A10", "count": 2}]},
+                      {"name": "b", "devices": [{"type": "A10", "count": 2}]}],
+            "links": {"inter_node": {"bandwidth_gbs": 2.0, "latency_us": 10}},
         }
-    )
-    layouts = [layout_from_plan(p, cluster, costs, 16) for p in _plans_for_agreement()]
-    # Every seed's top five, up to 8 micro-batches: cross-region pipelines whose tightest 1f1b loop
-    # is a short one were 15% off before the flow term counted every loop.
-    layouts += [
-        c.layout for s in range(30) for c in search(random_cluster(s), costs, BATCH, top=5, microbatches=(1, 2, 4, 8))
-    ]
-    assert len(layouts) >= 120
-    for layout in layouts:
-        model, sim = estimate(layout, costs).step_s, simulate(layout, costs).step_s
-        assert abs(model - sim) / sim <= 0.05, (layout, model, sim)
+    )  # fmt: skip
+    # ranks are (pp, dp)-major: placement puts stage 0 of replica 1 on b and its stage 1 on a
+    crossed = layout_from_plan(Hybrid(pp=2, microbatches=4, placement=[0, 2, 3, 1]), cluster, costs, 8)
+    assert crossed.nodes == (("a", "b"), ("b", "a"))
+    alone = dataclasses.replace(crossed, nodes=(), node_links=())
+    assert simulate(crossed, costs).step_s > 1.02 * simulate(alone, costs).step_s
 
 
 def test_simulator_replays_the_schedule_not_the_formula(costs: ModelCosts) -> None:
@@ -220,8 +277,6 @@ def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCost
     assert best.plan.resolve(cluster.world_size).dp == 3
     rebuilt = layout_from_plan(best.plan, cluster, costs, BATCH)
     assert math.isclose(estimate(rebuilt, costs).step_s, best.estimate.step_s, rel_tol=1e-9)
-    sim = simulate(best.layout, costs).step_s
-    assert abs(sim - best.estimate.step_s) / sim <= 0.05
     assert {(e.replica, e.stage) for e in simulate(best.layout, costs).events} == {
         (r, s) for r, replica in enumerate(best.plan.replicas) for s in range(replica.depth)
     }

@@ -62,10 +62,21 @@ class Layout:
     recompute: str
     replicas: tuple[ReplicaSpec, ...]
     dp_links: tuple[Link, ...]  # per stage: slowest link among that stage's data-parallel group
+    # Where each replica's stages run (node names, one replica per entry) and the links between those
+    # nodes: known for a layout built from a Plan, so the simulator sees which transfers share a link.
+    nodes: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
+    node_links: tuple[tuple[str, str, Link], ...] = field(default=(), compare=False)
 
     @property
     def global_batch(self) -> int:
         return sum(r.count * r.micro_batch for r in self.replicas) * self.microbatches
+
+    def link_between(self, a: str, b: str) -> Link:
+        """The link between nodes ``a`` and ``b`` of :attr:`nodes` (the same node: its intra-node link)."""
+        for x, y, link in self.node_links:
+            if {x, y} == {a, b}:
+                return link
+        raise KeyError(f"no link between {a} and {b} in this layout")
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,7 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         )
     samples = plan.samples_per_rank(global_batch)
     m = plan.pipeline.microbatches
-    replicas = []
+    replicas, placed = [], []
     for r in range(plan.dp):
         units, nodes = [], []
         for s in range(plan.pp):
@@ -196,13 +207,16 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
             )
         p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
         replicas.append(ReplicaSpec(1, tuple(units), p2p, samples[r] // m))
+        placed.append(tuple(nodes))
     dp_links = tuple(
         cluster.worst_link({devices[order[plan.rank_at(RankCoords(pp=s, dp=r))]][0] for r in range(plan.dp)})
         for s in range(plan.pp)
     )
+    used = sorted({node for nodes in placed for node in nodes})
+    node_links = tuple((a, b, cluster.link(a, b)) for i, a in enumerate(used) for b in used[i:])
     return Layout(
         plan.pp, plan.dp, plan.tp, ranges, m, plan.pipeline.schedule, plan.zero, plan.offload, plan.recompute,
-        tuple(replicas), dp_links,
+        tuple(replicas), dp_links, tuple(placed), node_links,
     )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from tessera.cluster.spec import Cluster, Link
@@ -376,14 +376,25 @@ def _check_batch(cluster: Cluster, costs: ModelCosts, global_batch: int) -> None
 
 # ---------------------------------------------------------------- exhaustive
 def exhaustive_search(
-    cluster: Cluster, costs: ModelCosts, global_batch: int, microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    cluster: Cluster,
+    costs: ModelCosts,
+    global_batch: int,
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    judge: Callable[[Layout | MixedLayout], float] | None = None,
 ) -> tuple[float, Layout | MixedLayout | None]:
     """The best step time over every placement, split and share vector (small clusters only),
-    and over every depth per pool, split and share vector of replicas of different depth."""
+    and over every depth per pool, split and share vector of replicas of different depth.
+
+    ``judge`` scores each layout that fits (default: the cost model's step time); the planner
+    benchmark passes the simulator, for an optimum "exhaustive over the same space" that the
+    search's own cost model did not pick.
+    """
     best: float = INFEASIBLE
     best_layout: Layout | MixedLayout | None = None
     counts = tuple(m for m in microbatches if global_batch % m == 0)
     for step, _, mixed, _ in mixed_candidates(cluster, costs, global_batch, counts, exhaustive=True):
+        if judge is not None and step < INFEASIBLE:
+            step = judge(mixed)
         if step < best:
             best, best_layout = step, mixed
     judged: dict[Layout, float] = {}  # different placements often give the same layout
@@ -403,7 +414,10 @@ def exhaustive_search(
                             layout = ev.layout(list(sizes))
                             if layout not in judged:
                                 ok = fits(layout, costs)
-                                judged[layout] = step_time(layout, costs)[0] if ok else INFEASIBLE
+                                if not ok:
+                                    judged[layout] = INFEASIBLE
+                                else:
+                                    judged[layout] = judge(layout) if judge else step_time(layout, costs)[0]
                             if judged[layout] < best:
                                 best, best_layout = judged[layout], layout
     return best, best_layout

@@ -1,13 +1,39 @@
-"""The simulator: an event-level replay of one training step of a :class:`Layout`.
+"""The simulator: an event-level replay of one training step, written apart from the cost model.
 
-Written apart from the closed-form cost model on purpose: it runs each stage's operations in
-the order the schedule gives them (gpipe: every forward then every backward; 1f1b: ``pp − s``
-warm-up forwards, then one backward and one forward in turn, then the remaining backwards),
-starting each as soon as its stage is free and its input has arrived, then the per-stage
-gradient synchronisation and optimizer step. Per-operation durations come from
-:func:`~tessera.planner.layout.op_times`, the same inputs the cost model reads, so the two
-differ only where a closed form cannot follow the schedule. The events it returns draw the
-timeline in ``tessera plan``'s picture.
+It shares only the *measured inputs* with :mod:`~tessera.planner.costmodel`: each part's
+forward seconds (:meth:`ModelCosts.forward_s`), parameter counts, the backward ratio, each
+device's memory speed and each link's bandwidth and latency. Everything else is its own model
+of what the runtime does, op by op:
+
+- **Compute** part by part (embedding, every block, head) on each rank's compute stream, in the
+  schedule's order (gpipe: every forward then every backward; 1f1b: ``pp − s`` warm-up
+  forwards, then one backward and one forward in turn). Tensor parallelism splits each part's
+  compute over ``tp`` and blocks on two all-reduces of the hidden states per block and pass.
+- **Pipeline p2p**: every micro-batch's activations (and their gradient, back) are one transfer
+  on the link between the two stages' nodes; the receiver waits for it.
+- **DDP** (ZeRO-0/1 without a pipeline): gradients are packed into buckets of
+  ``BUCKET_BYTES`` in reverse parameter order; a bucket's all-reduce starts, on a
+  communication stream, as soon as the last micro-batch's backward has produced all its
+  gradients, so it overlaps the rest of the backward. ZeRO-1 then broadcasts every parameter
+  piece from its owner after the optimizer step, one collective per tensor.
+- **FSDP** (ZeRO-2/3) unit by unit (each block, and the root holding embedding and head): the
+  forward gathers each unit (in the compute precision) before its compute with one unit
+  prefetched; ZeRO-3 gathers again in backward; the last micro-batch reduce-scatters each unit
+  right after its backward, on a stream of its own, so gathers and reductions share the link.
+- **Under a pipeline** the schedule runs backward itself: replicated gradients are averaged in
+  one flat all-reduce after the stage's last backward; FSDP gathers a stage once before its
+  first forward (ZeRO-3: again before its first backward) and reduce-scatters it after its last.
+- **Links are shared**: every transfer is a flow on the directed links it crosses (a ring
+  collective crosses one hop per member); flows on one link split its bandwidth evenly, so two
+  transfers that meet on a link both slow down. Latency is paid per ring step before the flow
+  moves bytes. A layout built from a Plan knows each rank's node, so flows meet where they
+  really share a node pair; the search's compact layouts (alike replicas folded into a count)
+  get one link per stage's data-parallel group and one per stage boundary.
+- **Optimizer**: 16 bytes per local parameter at the device's memory speed (on the host, with
+  the copies both ways, when offloaded), after the stage's gradients are in.
+
+The events it returns draw the timeline in ``tessera plan``'s picture; ``comm_s`` is how long
+each link class carried bytes and ``exposed_comm_s`` how much of the step waited on them.
 
 Example:
     >>> sim = simulate(layout, costs)
@@ -16,11 +42,15 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import heapq
+import math
+from dataclasses import dataclass, field, replace
 
-from tessera.planner.costmodel import replica_sync_s
+from tessera.parallel.data_parallel import BUCKET_BYTES
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, MixedLayout, grad_sync_s, op_times, optimizer_s
+from tessera.planner.layout import HOST_BANDWIDTH_GBS, HOST_LINK, Layout, MixedLayout
+
+GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute precision
 
 
 @dataclass(frozen=True)
@@ -39,6 +69,138 @@ class Event:
 class Simulation:
     step_s: float
     events: tuple[Event, ...]
+    comm_s: dict[str, float] = field(default_factory=dict)  # seconds each kind of transfer was moving bytes
+
+
+# ------------------------------------------------------------------ the engine
+@dataclass
+class _Task:
+    streams: tuple  # streams it occupies, in the order they were given their tasks
+    deps: list[int]
+    seconds: float = 0.0  # compute
+    volume: float = 0.0  # bytes to move (a flow)
+    latency: float = 0.0  # seconds before the flow moves bytes
+    channels: tuple = ()
+    label: tuple | None = None  # (replica, stage, kind, microbatch) for the timeline
+    comm: str = ""  # kind of transfer, for comm_s
+    start: float = -1.0
+    end: float = -1.0
+
+
+class _Engine:
+    """Tasks on in-order streams with dependencies; flows share their channels' bandwidth evenly."""
+
+    def __init__(self) -> None:
+        self.tasks: list[_Task] = []
+        self.queues: dict[object, list[int]] = {}
+        self.bandwidth: dict[object, float] = {}  # bytes per second of each channel
+
+    def channel(self, key: object, bandwidth_gbs: float) -> object:
+        self.bandwidth.setdefault(key, bandwidth_gbs * 1e9)
+        return key
+
+    def add(self, streams: tuple = (), deps: list[int] | tuple = (), **kw: object) -> int:
+        index = len(self.tasks)
+        self.tasks.append(_Task(tuple(streams), [d for d in deps if d is not None], **kw))  # type: ignore[arg-type]
+        for s in streams:
+            self.queues.setdefault(s, []).append(index)
+        return index
+
+    def run(self) -> tuple[float, dict[str, float]]:
+        tasks = self.tasks
+        waiting = [len(t.deps) for t in tasks]
+        dependents: list[list[int]] = [[] for _ in tasks]
+        for i, t in enumerate(tasks):
+            for d in t.deps:
+                dependents[d].append(i)
+        head = {s: 0 for s in self.queues}
+        heap: list[tuple[float, int, int]] = []  # (time, phase, task): phase 0 compute end, 1 flow starts moving
+        flows: dict[int, float] = {}  # task -> bytes left
+        busy: dict[str, float] = {}
+        now, finished = 0.0, 0
+
+        def ready(i: int) -> bool:
+            t = tasks[i]
+            return t.start < 0 and waiting[i] == 0 and all(self.queues[s][head[s]] == i for s in t.streams)
+
+        def start(i: int) -> None:
+            t = tasks[i]
+            t.start = now
+            if t.volume > 0 or t.latency > 0:
+                heapq.heappush(heap, (now + t.latency, 1, i))
+            else:
+                heapq.heappush(heap, (now + t.seconds, 0, i))
+
+        def finish(i: int) -> list[int]:
+            nonlocal finished
+            t = tasks[i]
+            t.end = now
+            finished += 1
+            candidates = []
+            for s in t.streams:
+                head[s] += 1
+                if head[s] < len(self.queues[s]):
+                    candidates.append(self.queues[s][head[s]])
+            for j in dependents[i]:
+                waiting[j] -= 1
+                candidates.append(j)
+            return candidates
+
+        def rates() -> dict[int, float]:
+            load: dict[object, int] = {}
+            for i in flows:
+                for c in tasks[i].channels:
+                    load[c] = load.get(c, 0) + 1
+            return {i: min((self.bandwidth[c] / load[c] for c in tasks[i].channels), default=math.inf) for i in flows}
+
+        for i in range(len(tasks)):
+            if ready(i):
+                start(i)
+        while finished < len(tasks):
+            rate = rates()
+            flow_end = min((now + left / rate[i] for i, left in flows.items()), default=float("inf"))
+            next_time = min(heap[0][0] if heap else float("inf"), flow_end)
+            if next_time == float("inf"):
+                stuck = [i for i, t in enumerate(tasks) if t.start < 0][:3]
+                raise RuntimeError(f"the simulator deadlocked at tasks {stuck} (a bug: please report it)")
+            dt = next_time - now
+            for i in flows:
+                flows[i] -= rate[i] * dt
+            for kind in {tasks[i].comm for i in flows}:  # wall time with this kind's bytes in flight
+                busy[kind] = busy.get(kind, 0.0) + dt
+            now = next_time
+            candidates: list[int] = []
+            for i in [i for i, left in flows.items() if left <= 1e-6 * max(tasks[i].volume, 1.0)]:
+                del flows[i]
+                candidates += finish(i)
+            while heap and heap[0][0] <= now:
+                _, phase, i = heapq.heappop(heap)
+                if phase == 1 and tasks[i].volume > 0:
+                    flows[i] = tasks[i].volume
+                else:
+                    candidates += finish(i)
+            for j in candidates:
+                if ready(j):
+                    start(j)
+        return max((t.end for t in tasks), default=0.0), busy
+
+
+# ------------------------------------------------------------------- one step
+@dataclass
+class _Part:
+    name: str  # "first", "block", "last"
+    params: int
+    unit: int  # FSDP unit: 0 the root (first and last), 1.. the blocks
+
+
+def _parts(costs: ModelCosts, first: int, end: int) -> list[_Part]:
+    """A stage's parts in forward order."""
+    parts = [_Part("first", costs.parts["first"].params, 0)] if first == 0 else []
+    parts += [_Part("block", costs.parts["block"].params, 1 + k) for k in range(end - first)]
+    if end == costs.n_layers:
+        shared = costs.shared_params if first == 0 else 0  # a tied head is the embedding: one copy
+        parts.append(_Part("last", costs.parts["last"].params - shared, 0))
+    return parts
 
 
 def schedule_order(schedule: str, pp: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -58,71 +220,270 @@ def schedule_order(schedule: str, pp: int, stage: int, microbatches: int) -> lis
     return order
 
 
-def _replay(layout: Layout, costs: ModelCosts, index: int) -> list[Event]:
-    """Events of one replica's forwards and backwards, run in schedule order."""
-    times = op_times(layout, costs, layout.replicas[index])
-    pp, m = layout.pp, layout.microbatches
-    orders = [schedule_order(layout.schedule, pp, s, m) for s in range(pp)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
-    cursor, free = [0] * pp, [0.0] * pp
-    events: list[Event] = []
-    while any(cursor[s] < len(orders[s]) for s in range(pp)):
-        progressed = False
-        for s in range(pp):
-            while cursor[s] < len(orders[s]):
-                kind, i = orders[s][cursor[s]]
-                if kind == "F":
-                    dep = ("F", s - 1, i) if s > 0 else None
-                    lag = times.transfer[s - 1] if s > 0 else 0.0
-                    duration = times.forward[s]
+class _Step:
+    """Adds one step of a Layout's tasks to an engine (``offset``: index of its first replica class)."""
+
+    def __init__(self, engine: _Engine, layout: Layout, costs: ModelCosts, offset: int = 0) -> None:
+        self.e, self.layout, self.costs, self.offset = engine, layout, costs, offset
+        self.parts = [_parts(costs, a, b) for a, b in layout.stages]
+        self.fsdp = layout.zero >= 2 and layout.dp > 1
+        self.shared: dict[tuple, int] = {}  # one collective, joined by every replica class
+        self.last_backward: dict[tuple[int, int], int] = {}  # (replica class, stage) -> task
+        self.grads_in: dict[int, list[int]] = {}  # stage -> collectives its optimizer waits for
+
+    def stream(self, name: str, r: int, s: int) -> tuple:
+        return (name, r + self.offset, s)
+
+    # ------------------------------------------------------------- transfers
+    def collective(self, key: tuple, kind: str, s: int, nbytes: float, deps: list, stream: str = "comm",
+                   calls: int = 1) -> int:  # fmt: skip
+        """A collective over stage ``s``'s data-parallel group: "all_reduce", "all_gather", "reduce_scatter"
+        or "broadcast" (``calls`` of them, one latency each). Every replica class joins it under one ``key``;
+        it starts once every member's ``stream`` reaches it and every member's ``deps`` are done."""
+        if key in self.shared:
+            task = self.shared[key]
+            self.e.tasks[task].deps.extend(d for d in deps if d is not None)
+            return task
+        layout, n = self.layout, self.layout.dp
+        channels, hop = self._ring(s)
+        share = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                 "broadcast": (n - 1) / n}  # fmt: skip
+        steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "broadcast": 1}
+        streams = tuple(self.stream(stream, r, s) for r in range(len(layout.replicas)))
+        task = self.e.add(
+            streams, deps, volume=share[kind] * nbytes, latency=calls * steps[kind] * hop, channels=channels,
+            comm="data parallel",
+        )  # fmt: skip
+        self.shared[key] = task
+        return task
+
+    def _ring(self, s: int) -> tuple[tuple, float]:
+        """Channels a ring over stage ``s``'s data-parallel group crosses, and its slowest hop's latency."""
+        layout = self.layout
+        if layout.nodes and all(spec.count == 1 for spec in layout.replicas):
+            members = [layout.nodes[r][s] for r in range(len(layout.replicas))]
+            hops = list(zip(members, members[1:] + members[:1]))
+            links = [layout.link_between(a, b) for a, b in hops]
+            channels = tuple(self.e.channel(hop, link.bandwidth_gbs) for hop, link in zip(hops, links))
+            return channels, max(link.latency_us for link in links) * 1e-6
+        link = layout.dp_links[s]
+        return (self.e.channel(("dp", self.offset, s), link.bandwidth_gbs),), link.latency_us * 1e-6
+
+    def _tp_all_reduce(self, r: int, s: int, after: int) -> int:
+        """One blocking all-reduce of the hidden states inside the tensor-parallel group."""
+        layout, spec = self.layout, self.layout.replicas[r]
+        n, link = layout.tp, spec.units[s].tp_link
+        channel = self.e.channel(("tp", r + self.offset, s), link.bandwidth_gbs)
+        volume = 2 * (n - 1) / n * self.costs.boundary_bytes(spec.micro_batch)
+        return self.e.add(
+            (self.stream("compute", r, s),), [after], volume=volume,
+            latency=2 * (n - 1) * link.latency_us * 1e-6, channels=(channel,), comm="tensor parallel",
+        )  # fmt: skip
+
+    def _p2p(self, r: int, s: int, forward: bool, after: int) -> int:
+        """Activations from stage s to s + 1 (forward), or their gradient from s + 1 back to s."""
+        layout, spec = self.layout, self.layout.replicas[r]
+        link = spec.p2p[s]
+        if layout.nodes and spec.count == 1:
+            a, b = layout.nodes[r][s], layout.nodes[r][s + 1]
+            key: tuple = (a, b) if forward else (b, a)
+            link = layout.link_between(a, b)
+        else:
+            key = ("p2p", r + self.offset, s, forward)
+        return self.e.add(
+            (), [after], volume=self.costs.boundary_bytes(spec.micro_batch), latency=link.latency_us * 1e-6,
+            channels=(self.e.channel(key, link.bandwidth_gbs),), comm="pipeline",
+        )  # fmt: skip
+
+    def _unit_bytes(self, s: int, unit: int, gather: bool = False) -> float:
+        """Bytes of one FSDP unit's gradients (fp32), or of its parameters as gathered (the compute dtype)."""
+        per_param = self.costs.act_bytes if gather else GRAD_BYTES
+        return per_param * sum(p.params for p in self.parts[s] if p.unit == unit) / self.layout.tp
+
+    # ---------------------------------------------------------------- passes
+    def _pass(self, r: int, s: int, mb: int, forward: bool, after: list) -> int:
+        """One micro-batch's forward or backward through stage s of replica class r; returns its last task."""
+        layout, spec = self.layout, self.layout.replicas[r]
+        peak = spec.units[s].peak_tflops
+        parts = self.parts[s] if forward else self.parts[s][::-1]
+        per_unit_gather = self.fsdp and layout.pp == 1 and (forward or layout.zero == 3)
+        reduce_now = layout.dp > 1 and layout.pp == 1 and not forward and mb == layout.microbatches - 1
+        ratio = 1.0 if forward else self.costs.backward_ratio
+        computes: list[int] = []
+        last = None
+        bucket = {"bytes": 0.0, "deps": [], "index": 0}
+        gathered: dict[int, int] = {}  # unit -> its gather in this pass (the root serves embedding and head)
+        for k, part in enumerate(parts):
+            deps = list(after) if k == 0 else [last]
+            if per_unit_gather:
+                if part.unit not in gathered:
+                    # one unit prefetched: unit k's gather may start once part k − 1 computes (k − 2 is done)
+                    prefetch = [computes[k - 2]] if k >= 2 else list(after)
+                    key = ("gather", s, part.unit, forward, mb)
+                    size = self._unit_bytes(s, part.unit, gather=True)
+                    gathered[part.unit] = self.collective(key, "all_gather", s, size, prefetch, "gather")
+                deps.append(gathered[part.unit])
+            seconds = ratio * self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
+            if not forward and layout.recompute == "full" and part.name == "block":
+                seconds += self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
+            computes.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds))
+            last = computes[-1]
+            if layout.tp > 1 and part.name == "block":
+                for _ in range(2):
+                    last = self._tp_all_reduce(r, s, last)
+            if reduce_now:
+                self._reduce(r, s, part, last, bucket, is_last=k == len(parts) - 1)
+        label = (r + self.offset, s, "forward" if forward else "backward", mb)
+        self.e.tasks[computes[0]].label = (*label, "start")
+        self.e.tasks[last].label = (*label, "end")  # type: ignore[index]
+        return last  # type: ignore[return-value]
+
+    def _reduce(self, r: int, s: int, part: _Part, done: int, bucket: dict, is_last: bool) -> None:
+        """The last micro-batch's backward has just produced ``part``'s gradients (no pipeline)."""
+        layout = self.layout
+        if self.fsdp:
+            if part.name == "last":
+                return  # the root unit's gradients are complete after the embedding's backward
+            key = ("reduce", s, part.unit)
+            task = self.collective(key, "reduce_scatter", s, self._unit_bytes(s, part.unit), [done], "reduce")
+        else:
+            # DDP buckets in reverse parameter order (tensor parallel: replicate's one unit per block)
+            size = GRAD_BYTES * part.params / layout.tp
+            bucket["bytes"] += size
+            bucket["deps"].append(done)
+            full = bucket["bytes"] >= BUCKET_BYTES or (layout.tp > 1 and part.name == "block")
+            if not (full or is_last):
+                return
+            key = ("bucket", s, bucket["index"])
+            task = self.collective(key, "all_reduce", s, bucket["bytes"], bucket["deps"])
+            bucket.update(bytes=0.0, deps=[], index=bucket["index"] + 1)
+        if r == 0:
+            self.grads_in.setdefault(s, []).append(task)
+
+    def passes(self) -> None:
+        """Every replica class's forwards and backwards in schedule order, with the pipeline's transfers."""
+        layout = self.layout
+        pp, m = layout.pp, layout.microbatches
+        for r in range(len(layout.replicas)):
+            orders = [schedule_order(layout.schedule, pp, s, m) for s in range(pp)]
+            done: dict[tuple[str, int, int], int] = {}
+            cursor = [0] * pp
+            while any(cursor[s] < len(orders[s]) for s in range(pp)):
+                progressed = False
+                for s in range(pp):
+                    while cursor[s] < len(orders[s]):
+                        kind, i = orders[s][cursor[s]]
+                        if kind == "F":
+                            need = ("F", s - 1, i) if s > 0 else None
+                        else:
+                            need = ("B", s + 1, i) if s < pp - 1 else ("F", s, i)
+                        if need is not None and need not in done:
+                            break  # waits for a neighbour's op, emitted later
+                        after: list = []
+                        if need is not None:
+                            if need[1] == s:
+                                after.append(done[need])
+                            else:
+                                after.append(self._p2p(r, min(s, need[1]), kind == "F", done[need]))
+                        if self.fsdp and pp > 1:
+                            phase = "F" if kind == "F" or layout.zero == 2 else "B"
+                            params = self.costs.act_bytes * sum(p.params for p in self.parts[s]) / layout.tp
+                            key = ("stage gather", s, phase)
+                            after.append(self.collective(key, "all_gather", s, params, [], "gather"))
+                        done[(kind, s, i)] = self._pass(r, s, i, kind == "F", after)
+                        cursor[s] += 1
+                        progressed = True
+                if not progressed:
+                    raise RuntimeError(f"schedule {layout.schedule!r} deadlocks in the simulator (a bug: report it)")
+            for s in range(pp):
+                self.last_backward[(r, s)] = done[("B", s, m - 1)]
+        if pp > 1 and layout.dp > 1:  # the schedule ran backward: one flat reduction per stage after it
+            for s in range(pp):
+                grads = GRAD_BYTES * sum(p.params for p in self.parts[s]) / layout.tp
+                kind = "reduce_scatter" if self.fsdp else "all_reduce"
+                deps = [self.last_backward[(r, s)] for r in range(len(layout.replicas))]
+                self.grads_in[s] = [self.collective(("stage sync", s), kind, s, grads, deps)]
+
+    def optimizer(self, extra: list[int] | None = None) -> None:
+        """Each device's step once its stage's gradients are in; ZeRO-1 owners then broadcast their pieces."""
+        layout = self.layout
+        for s in range(layout.pp):
+            params = sum(p.params for p in self.parts[s]) / layout.tp
+            local = params / (layout.dp if layout.zero >= 1 else 1)
+            steps = []
+            for r, spec in enumerate(layout.replicas):
+                unit = spec.units[s]
+                if layout.offload:
+                    host = unit.host_bandwidth_gbs or HOST_BANDWIDTH_GBS
+                    copy = HOST_LINK.latency_us * 1e-6 + GRAD_BYTES * local / (HOST_LINK.bandwidth_gbs * 1e9)
+                    seconds = 2 * copy + 16 * local / (host * 1e9)
                 else:
-                    dep = ("B", s + 1, i) if s < pp - 1 else ("F", s, i)
-                    lag = times.transfer[s] if s < pp - 1 else 0.0
-                    duration = times.backward[s]
-                if dep is not None and dep not in done:
-                    break  # waits for another stage
-                start = max(free[s], done[dep] + lag if dep is not None else 0.0)
-                free[s] = done[(kind, s, i)] = start + duration
-                events.append(Event(index, s, "forward" if kind == "F" else "backward", i, start, free[s]))
-                cursor[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {layout.schedule!r} deadlocks in the simulator (a bug: please report it)")
+                    seconds = 16 * local / (unit.bandwidth_gbs * 1e9)
+                deps = [self.last_backward[(r, s)], *self.grads_in.get(s, []), *(extra or [])]
+                label = (r + self.offset, s, "optimizer", -1)
+                steps.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds, label=label))
+            if layout.zero == 1 and layout.dp > 1:
+                tensors = self.costs.stage_tensors(*layout.stages[s])
+                self.collective(("broadcast", s), "broadcast", s, GRAD_BYTES * params, steps, calls=tensors)
+
+
+# ------------------------------------------------------------------ the result
+def _events(engine: _Engine, steps: list[_Step]) -> list[Event]:
+    """Forward/backward spans from their first and last task, the optimizer, and each stage's sync span."""
+    events, opened = [], {}
+    for t in engine.tasks:
+        if t.label is None:
+            continue
+        if t.label[2] == "optimizer":
+            events.append(Event(t.label[0], t.label[1], "optimizer", -1, t.start, t.end))
+        elif t.label[4] == "start":
+            opened[t.label[:4]] = t.start
+        if len(t.label) == 5 and t.label[4] == "end":
+            key = t.label[:4]
+            events.append(Event(key[0], key[1], key[2], key[3], opened.get(key, t.start), t.end))
+    for step in steps:
+        for s, tasks in step.grads_in.items():
+            ts = [engine.tasks[i] for i in tasks]
+            for r in range(len(step.layout.replicas)):
+                events.append(Event(r + step.offset, s, "sync", -1, min(t.start for t in ts), max(t.end for t in ts)))
     return events
 
 
 def simulate(layout: Layout | MixedLayout, costs: ModelCosts) -> Simulation:
-    """Replay one step of ``layout``: every replica class's pipeline, then sync and optimizer per stage."""
+    """Replay one step of ``layout`` event by event (see the module docstring)."""
     if isinstance(layout, MixedLayout):
         return _simulate_mixed(layout, costs)
-    events: list[Event] = []
-    for index in range(len(layout.replicas)):
-        events.extend(_replay(layout, costs, index))
-    step = 0.0
-    for s in range(layout.pp):
-        finish = max(e.end for e in events if e.stage == s and e.kind == "backward")
-        sync_end = finish + grad_sync_s(layout, costs, s)
-        for index, replica in enumerate(layout.replicas):
-            opt_end = sync_end + optimizer_s(layout, costs, s, replica.units[s])
-            events.append(Event(index, s, "sync", -1, finish, sync_end))
-            events.append(Event(index, s, "optimizer", -1, sync_end, opt_end))
-            step = max(step, opt_end)
-    return Simulation(step, tuple(events))
+    engine = _Engine()
+    step = _Step(engine, layout, costs)
+    step.passes()
+    step.optimizer()
+    end, busy = engine.run()
+    return Simulation(end, tuple(_events(engine, [step])), busy)
 
 
 def _simulate_mixed(layout: MixedLayout, costs: ModelCosts) -> Simulation:
-    """Replicas of different depth: each one's pipeline, then (as the runtime does) every layer's
-    gradient averaged once all are done, then each device's optimizer step."""
-    events: list[Event] = []
+    """Replicas of different depth: each one's pipeline; once all are done (as the runtime's LayerSync
+    does) every layer's gradients averaged over the replicas in flat buckets; then each device's step."""
+    engine = _Engine()
+    steps = []
     for index, part in enumerate(layout.parts):
-        events.extend(replace(e, replica=index) for e in _replay(part, costs, 0))
-    finish = max(e.end for e in events)
-    sync_end = finish + replica_sync_s(costs, layout.sync_link, len(layout.parts))
-    step = sync_end
-    for index, part in enumerate(layout.parts):
-        for s, unit in enumerate(part.replicas[0].units):
-            opt_end = sync_end + optimizer_s(part, costs, s, unit)
-            events.append(Event(index, s, "sync", -1, finish, sync_end))
-            events.append(Event(index, s, "optimizer", -1, sync_end, opt_end))
-            step = max(step, opt_end)
-    return Simulation(step, tuple(events))
+        step = _Step(engine, replace(part, dp=1), costs, offset=index)  # its own sync is the replicas' one below
+        step.passes()
+        steps.append(step)
+    n, link = len(layout.parts), layout.sync_link
+    channel = engine.channel(("replicas",), link.bandwidth_gbs)
+    previous = [task for step in steps for task in step.last_backward.values()]
+    left = GRAD_BYTES * sum(p.params for p in _parts(costs, 0, costs.n_layers))
+    while left > 0 and n > 1:
+        chunk = min(left, BUCKET_BYTES)
+        left -= chunk
+        previous = [
+            engine.add(
+                tuple(("comm", index, 0) for index in range(n)), previous, volume=2 * (n - 1) / n * chunk,
+                latency=2 * (n - 1) * link.latency_us * 1e-6, channels=(channel,), comm="data parallel",
+            )
+        ]  # fmt: skip
+    for step in steps:
+        step.optimizer(extra=previous)
+    end, busy = engine.run()
+    return Simulation(end, tuple(_events(engine, steps)), busy)
