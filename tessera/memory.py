@@ -119,6 +119,45 @@ class SavedBytes:
             yield self
 
 
+@contextmanager
+def peak_tensor_bytes(device: torch.device, live_before: int) -> Iterator[list[int]]:
+    """Measure the peak bytes of tensors on ``device`` while the block runs; the list it yields
+    holds one number when the block ends.
+
+    An accelerator reports its allocator's peak directly. On CPU there is no allocator counter, so
+    the block runs under the profiler with ``profile_memory``: every allocation and free in order,
+    whose running sum peaks at the block's transient high-water mark; ``live_before`` (the tensor
+    bytes held when it starts, e.g. :func:`model_state_bytes`) is added to it. Costly on CPU:
+    measure one step, not every step.
+
+    Example:
+        >>> with peak_tensor_bytes(torch.device("cpu"), int(model_state_bytes(model, opt))) as peak:
+        ...     train_one_step()
+        >>> peak[0]
+    """
+    result: list[int] = []
+    if device.type != "cpu" and hasattr(torch, device.type):
+        backend = getattr(torch, device.type)
+        backend.synchronize(device)
+        backend.memory.reset_peak_memory_stats(device)
+        yield result
+        backend.synchronize(device)
+        result.append(int(backend.memory.max_memory_allocated(device)))
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield result
+    changes = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    result.append(live_before + peak)
+
+
 def release_free_heap() -> bool:
     """Give the C heap's free pages back to the OS (glibc ``malloc_trim``); False where there is none.
 

@@ -158,6 +158,13 @@ class TrainConfig(_Section):
     timeout_s: float = Field(
         600.0, gt=0, le=MAX_TIMEOUT_S, description="a collective waiting longer than this fails the run"
     )
+    measure_memory_at: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="measure this step's peak tensor bytes on every rank (allocator-level; a one-step profiler "
+        "pass on CPU) and log them as peak_tensor_bytes_per_rank; 0: never",
+    )
     peak_tflops: float | dict[str, float] | None = Field(
         None,
         description="declared dense peak TFLOP/s for MFU: one number for every device, or a map from "

@@ -5,6 +5,7 @@ Runs inside a torchrun-launched process (or a plain one, as a 1-rank job).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -205,23 +206,26 @@ class Trainer:
             for batch in self.loader:
                 faults.before_step(self.step + 1)
                 t0 = time.perf_counter()
-                loss, grad_norm, state_bytes = train_step(
-                    self.model,
-                    self.optimizer,
-                    self.booster,
-                    batch,
-                    cfg.optimizer.grad_clip,
-                    self.step + 1,
-                    cfg.train.timeout_s,
-                )
+                measured = self.step + 1 == cfg.train.measure_memory_at
+                with self._peak_bytes() if measured else contextlib.nullcontext() as peak:
+                    loss, grad_norm, state_bytes = train_step(
+                        self.model,
+                        self.optimizer,
+                        self.booster,
+                        batch,
+                        cfg.optimizer.grad_clip,
+                        self.step + 1,
+                        cfg.train.timeout_s,
+                    )
                 lr = self.schedule.get_last_lr()[0]
                 self.schedule.step()
                 global_loss = self.booster.reduce_loss(loss).item()
                 self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
                 self.losses.append(global_loss)
-                if self.step % cfg.train.log_every == 0 or self.step in (start_step + 1, last_step):
+                if measured or self.step % cfg.train.log_every == 0 or self.step in (start_step + 1, last_step):
                     timing = (time.perf_counter() - t0, time.perf_counter() - start_time, self.step - start_step)
-                    self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing)
+                    peak_bytes = peak[0] if measured else None
+                    self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing, peak_bytes)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.checkpoint()
                 if self.step % HEAP_TRIM_EVERY == 0:
@@ -244,10 +248,14 @@ class Trainer:
         grad_norm: float,
         state_bytes: int,
         timing: tuple[float, float, int],
+        peak_bytes: int | None = None,
     ) -> None:
-        """One metrics record (rank 0 writes it; every rank joins the per-rank byte count)."""
+        """One metrics record (rank 0 writes it; every rank joins the per-rank byte counts)."""
         per_rank_bytes = [0] * dist.get_world_size()
         dist.all_gather_object(per_rank_bytes, state_bytes)
+        per_rank_peaks = [0] * dist.get_world_size()
+        if peak_bytes is not None:  # the same step on every rank (train.measure_memory_at)
+            dist.all_gather_object(per_rank_peaks, peak_bytes)
         if log is None:
             return
         step_time, elapsed, done = timing
@@ -264,10 +272,17 @@ class Trainer:
             "model_state_bytes_per_rank": per_rank_bytes,
             "epoch": self.epoch,
         }
+        if peak_bytes is not None:
+            record["peak_tensor_bytes_per_rank"] = per_rank_peaks
         if self.job_peak:
             record["mfu"] = record["achieved_tflops"] / self.job_peak
         log.log(record)
         progress.update(self.step, loss, tok_s, elapsed, done)
+
+    def _peak_bytes(self) -> contextlib.AbstractContextManager[list[int]]:
+        """Peak tensor bytes of one step on this rank (train.measure_memory_at)."""
+        held = int(tessera.memory.model_state_bytes(self.model, self.optimizer))
+        return tessera.memory.peak_tensor_bytes(self.booster.device, held)
 
     def _finish(self, log: MetricsLog | None, start_step: int) -> dict[str, Any]:
         """Sample some text, close the log, draw the curve, print the summary."""

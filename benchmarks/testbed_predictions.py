@@ -1,0 +1,197 @@
+"""How well the cost model and the simulator predict real runs: 12 layouts measured on the testbed.
+
+The testbed is the one of ``benchmarks/testbed_cluster.py``: four ranks in CPU cgroups with
+quotas 1 : 1 : ½ : ¼ (nodes a, a, b, c), each node a network namespace, links between nodes
+shaped with ``tc tbf`` (``--link-mbit``, 200 Mbit/s by default so that communication is a real
+share of the step). Nothing is paced by the planner's numbers.
+
+1. ``tessera cluster profile --testbed`` measures every device on the model's own blocks and
+   every link; both predictors read that live profile and nothing else they share.
+2. Twelve layouts (DDP, uneven shares, ZeRO-1/2/3, pipelines 1f1b and gpipe with even and
+   uneven stages, pp × dp, tensor parallel, slow-link data parallel) run through the real
+   launcher, interleaved, ``--reps`` times each. Measured: rank 0's median ``step_time_s`` over
+   steps 3 .. steps − 1, and, at the last step, every rank's peak tensor bytes
+   (``train.measure_memory_at``: the profiler's allocation record on CPU, the allocator's peak on
+   a GPU).
+3. Reported per layout: measured step, the cost model's and the simulator's predictions and their
+   errors, each separately; predicted and measured peak bytes per rank. Summary: median and worst
+   absolute error of each predictor, and the share of layouts each ranks correctly against the
+   others (pairwise order agreement).
+
+    sudo python benchmarks/testbed_predictions.py [--reps 2] [--steps 8] [--json docs/testbed_predictions.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from testbed_cluster import BATCH, SEQ, cluster_spec, config, tessera  # noqa: E402
+
+# name -> (plan section, ranks). Ranks take cluster devices in order (a:0, a:1, b:0, c:0) unless placed.
+LAYOUTS: dict[str, tuple[dict, int]] = {
+    "ddp x4": ({"preset": "ddp"}, 4),
+    "ddp x2 (a)": ({"preset": "ddp", "placement": [0, 1]}, 2),
+    "ddp x4 shares 12:12:6:2": ({"preset": "ddp", "dp_shares": [12, 12, 6, 2]}, 4),
+    "ddp a+b shares 20:12": ({"preset": "ddp", "placement": [0, 2], "dp_shares": [20, 12]}, 2),
+    "zero1 x4": ({"preset": "zero", "zero": 1}, 4),
+    "zero2 x2 (a)": ({"preset": "zero", "zero": 2, "placement": [0, 1]}, 2),
+    "zero3 x4": ({"preset": "zero", "zero": 3}, 4),
+    "pp2 1f1b m4 (a)": ({"preset": "ddp", "pp": 2, "microbatches": 4, "placement": [0, 1]}, 2),
+    "pp2 x dp2 1f1b m4": ({"preset": "ddp", "pp": 2, "microbatches": 4}, 4),
+    "pp4 gpipe m8": ({"preset": "ddp", "pp": 4, "microbatches": 8, "schedule": "gpipe"}, 4),
+    "pp2 a+b stages 6:2 m4": (
+        {"preset": "ddp", "pp": 2, "microbatches": 4, "stages": [[0, 6], [6, 8]], "placement": [0, 2]},
+        2,
+    ),
+    "tp2 (a)": ({"preset": "ddp", "tp": 2, "placement": [0, 1]}, 2),
+}
+
+
+def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> dict:
+    """One `tessera train --testbed` run: median step time (steps 3 .. steps − 1) and peak bytes per rank."""
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    cfg = config(work / "runs", plan, steps, slug)
+    cfg["train"]["measure_memory_at"] = steps
+    path = work / f"{slug}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    tessera("train", str(path), "--nproc", str(nproc), "--testbed", str(cluster_file), "--testbed-cpus", str(cpus),
+            "--overwrite")  # fmt: skip
+    records = [json.loads(line) for line in (work / "runs" / slug / "metrics.jsonl").read_text().splitlines()]
+    step = statistics.median(r["step_time_s"] for r in records if 3 <= r["step"] < steps)
+    return {"step_s": step, "peak_bytes": records[-1]["peak_tensor_bytes_per_rank"]}
+
+
+def predict(plan: Any, cluster: Any, costs: Any) -> dict:
+    """Both predictors' step time, and the cost model's peak bytes per rank (in rank order)."""
+    from tessera.plan import RankCoords
+    from tessera.planner.costmodel import device_memory, estimate
+    from tessera.planner.layout import layout_from_plan, ranks_of
+    from tessera.planner.simulate import simulate
+
+    layout = layout_from_plan(plan, cluster, costs, BATCH)
+    world = ranks_of(plan, cluster)
+    resolved = plan.resolve(world)
+    memory = [0.0] * world
+    for r, replica in enumerate(layout.replicas):
+        for s in range(layout.pp):
+            total = sum(device_memory(layout, costs, replica, s))
+            for t in range(layout.tp):
+                memory[resolved.rank_at(RankCoords(pp=s, dp=r, tp=t))] = total
+    return {
+        "cost_model_s": estimate(layout, costs).step_s,
+        "simulator_s": simulate(layout, costs).step_s,
+        "predicted_peak_bytes": memory,
+    }
+
+
+def order_agreement(rows: dict[str, dict], key: str) -> float:
+    """Share of layout pairs that ``key`` orders as the measurement does."""
+    pairs = list(itertools.combinations(rows.values(), 2))
+    same = sum((a[key] < b[key]) == (a["measured_step_s"] < b["measured_step_s"]) for a, b in pairs)
+    return same / len(pairs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cpus", type=float, default=1.65)
+    ap.add_argument("--link-mbit", type=float, default=200.0)
+    ap.add_argument("--only", nargs="*", help="run only these layouts (names as in LAYOUTS)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import torch
+
+    from tessera.cluster.spec import Cluster
+    from tessera.planner import ModelCosts
+    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
+    from tessera.train.build import build_model
+    from tessera.train.config import PlanConfig, load_config, plan_from_config
+
+    layouts = {k: v for k, v in LAYOUTS.items() if not args.only or k in args.only}
+    work = Path(tempfile.mkdtemp(prefix="testbed-predictions-"))
+    spec = cluster_spec(args.link_mbit)
+    cluster_file = work / "cluster.yaml"
+    cluster_file.write_text(yaml.safe_dump(spec))
+    model_file = work / "model.yaml"
+    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, args.steps, "profile")))
+    start = time.monotonic()
+    tessera("cluster", "profile", str(model_file), "--cluster", str(cluster_file), "--testbed", "--testbed-cpus",
+            str(args.cpus), "--out", str(work / "live.json"))  # fmt: skip
+    live = LiveProfile.load(work / "live.json")
+    print(f"profiled in {time.monotonic() - start:.0f} s; relative speeds {relative_speeds(live)}", flush=True)
+    with torch.device("meta"):
+        model = build_model(load_config(str(model_file), []))
+    cluster = measured_cluster(Cluster.from_dict(spec), live)
+    costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
+
+    measured: dict[str, list[dict]] = {name: [] for name in layouts}
+    for rep in range(args.reps):
+        for name, (plan, nproc) in layouts.items():  # interleaved
+            result = run(work, name, plan, nproc, cluster_file, args.cpus, args.steps)
+            measured[name].append(result)
+            print(f"rep {rep} {name:26s} {result['step_s']:.3f} s/step", flush=True)
+
+    rows = {}
+    for name, (plan_dict, nproc) in layouts.items():
+        plan = plan_from_config(PlanConfig(**plan_dict))
+        row: dict[str, Any] = {"plan": plan_dict, "ranks": nproc, **predict(plan, cluster, costs)}
+        row["measured_step_s"] = statistics.median(m["step_s"] for m in measured[name])
+        row["runs_s"] = [m["step_s"] for m in measured[name]]
+        row["measured_peak_bytes"] = [max(m["peak_bytes"][i] for m in measured[name]) for i in range(nproc)]
+        for key in ("cost_model", "simulator"):
+            row[f"{key}_error"] = row[f"{key}_s"] / row["measured_step_s"] - 1
+        row["memory_error"] = [p / m - 1 for p, m in zip(row["predicted_peak_bytes"], row["measured_peak_bytes"])]
+        rows[name] = row
+        print(
+            f"{name:26s} measured {row['measured_step_s']:.3f} s  cost model {row['cost_model_s']:.3f} "
+            f"({row['cost_model_error']:+.0%})  simulator {row['simulator_s']:.3f} ({row['simulator_error']:+.0%})  "
+            f"memory MiB predicted/measured "
+            + " ".join(
+                f"{p / 2**20:.0f}/{m / 2**20:.0f}"
+                for p, m in zip(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+            )
+        )  # fmt: skip
+    summary = {}
+    for key in ("cost_model", "simulator"):
+        errors = [abs(r[f"{key}_error"]) for r in rows.values()]
+        summary[key] = {
+            "median_abs_error": statistics.median(errors),
+            "worst_abs_error": max(errors),
+            "order_agreement": order_agreement(rows, f"{key}_s"),
+        }
+    memory_errors = [abs(e) for r in rows.values() for e in r["memory_error"]]
+    summary["memory"] = {
+        "median_abs_error": statistics.median(memory_errors),
+        "worst_abs_error": max(memory_errors),
+        "within_15_percent": sum(e <= 0.15 for e in memory_errors) / len(memory_errors),
+    }
+    print("summary", json.dumps(summary, indent=1))
+    if args.json:
+        out = {
+            "cpus": args.cpus,
+            "link_mbit": args.link_mbit,
+            "steps": args.steps,
+            "reps": args.reps,
+            "live_profile": json.loads(live.to_json()),
+            "rows": rows,
+            "summary": summary,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
