@@ -14,11 +14,16 @@ turn (H100, A100-80GB, A100-40GB, L4, A10, RTX4090), three regions; a Llama-70B-
 (80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256, seq 4096, bf16), global
 batch 512. Median of --reps searches on one core.
 
+Part c (search time on a family it was not tuned on): ``family_cluster`` shapes, 16 to 4,096
+devices, 1/2/4/8 devices per node, 2-6 device types with uneven node counts, 1-4 regions, the
+same model; precision chosen as ``tessera plan`` does (fp16 where a type has no bf16). One
+search each on one core.
+
 Part d (memory binds): two types, a fast device with little memory and a slow one with a lot.
 A 2.2 B-parameter Llama, fp32 Adam: the speed-proportional plan (uneven shares, plain DDP) does
 not fit the fast device; the planner's plan, and what it chose instead.
 
-    python benchmarks/planner.py [--part all|regret|time|memory] [--reps 3] [--json out.json]
+    python benchmarks/planner.py [--part all|regret|time|family|memory] [--reps 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -111,6 +116,47 @@ def search_time(reps: int) -> dict:
     return {"rows": rows}
 
 
+def family_time(seeds: int, sizes: tuple[int, ...]) -> dict:
+    """Search time on generated clusters unlike part b's: ``family_cluster`` (1/2/4/8 devices per node,
+    2-6 types with uneven node counts, 1-4 regions), precision chosen as ``tessera plan`` does."""
+    from tessera.cluster.generate import family_cluster
+    from tessera.planner.precision import choose_precision
+
+    base = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    rows = []
+    for devices in sizes:
+        for seed in range(seeds):
+            cluster = family_cluster(1000 * devices + seed, devices)
+            precision, _ = choose_precision(cluster, "auto")
+            costs = base.with_precision(precision)
+            row: dict[str, Any] = {
+                "devices": devices,
+                "seed": 1000 * devices + seed,
+                "nodes": len(cluster.nodes),
+                "per_node": sorted({n.count for n in cluster.nodes}),
+                "types": sorted({n.device_type for n in cluster.nodes}),
+                "regions": len({n.region for n in cluster.nodes}),
+                "precision": precision,
+            }
+            t0 = time.perf_counter()
+            try:
+                best = search(cluster, costs, 512, top=3)[0]
+                p = best.plan
+                row["best"] = f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} m{p.pipeline.microbatches} {p.recompute}"
+                if p.placement is not None:
+                    row["best"] += f" on {len(p.placement)} of {devices}"
+            except PlanError as exc:
+                row["best"] = f"no plan: {str(exc)[:80]}"
+            row["search_s"] = time.perf_counter() - t0
+            rows.append(row)
+            print(
+                f"{devices:5d} devices {row['nodes']:4d} nodes per-node {row['per_node']} {len(row['types'])} types "
+                f"{row['regions']} regions {precision}: {row['search_s']:.2f} s  {row['best']}",
+                flush=True,
+            )
+    return {"rows": rows, "worst_s": max(r["search_s"] for r in rows)}
+
+
 def memory_bound() -> dict:
     costs = _costs("fp32", 1024, n_layers=16, dim=3072, n_heads=24, n_kv_heads=24, ffn_dim=8192, vocab_size=32000)
     cluster = Cluster.from_dict(
@@ -160,7 +206,8 @@ def memory_bound() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "memory"))
+    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "family", "memory"))
+    ap.add_argument("--family-seeds", type=int, default=3, help="generated clusters per size in part family")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clusters", type=int, default=24)
     ap.add_argument("--json")
@@ -171,6 +218,8 @@ def main() -> None:
         result["regret"] = regret(args.clusters)
     if args.part in ("all", "time"):
         result["search_time"] = search_time(args.reps)
+    if args.part in ("all", "family"):
+        result["family_time"] = family_time(args.family_seeds, (16, 24, 64, 256, 1024, 4096))
     if args.part in ("all", "memory"):
         result["memory_bound"] = memory_bound()
     if args.json:

@@ -94,6 +94,7 @@ class SavedBytes:
         self.peak = 0
         # Parameters and buffers that autograd saves (a matmul keeps its weight) cost no extra memory.
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._held: dict[tuple[str, int], list[int]] = {}  # storage -> [saved tensors holding it, its bytes]
 
     @contextmanager
     def track(self) -> Iterator[SavedBytes]:
@@ -108,12 +109,23 @@ class SavedBytes:
                     or isinstance(t._base, torch.nn.Parameter)  # e.g. the transposed weight a matmul keeps
                     or t.untyped_storage().data_ptr() in counter._exclude
                 )
-                self.t, self.n = t, 0 if shared else t.numel() * t.element_size()
-                counter.live += self.n
-                counter.peak = max(counter.peak, counter.live)
+                # Count each storage once, whole, while any saved tensor holds it: several ops save views
+                # of one tensor (counting each view overstated a block's activations by a quarter).
+                storage = t.untyped_storage()
+                self.t, self.key = t, None if shared else (str(t.device), storage.data_ptr())
+                if self.key is not None:
+                    held = counter._held.setdefault(self.key, [0, storage.nbytes()])
+                    held[0] += 1
+                    if held[0] == 1:
+                        counter.live += held[1]
+                        counter.peak = max(counter.peak, counter.live)
 
             def __del__(self) -> None:
-                counter.live -= self.n
+                if self.key is not None and (held := counter._held.get(self.key)) is not None:
+                    held[0] -= 1
+                    if held[0] == 0:
+                        counter.live -= held[1]
+                        del counter._held[self.key]
 
         with torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.t):
             yield self

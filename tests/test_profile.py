@@ -39,12 +39,18 @@ def test_activation_bytes_grow_with_the_micro_batch(llama_profile: Profile) -> N
 
 def test_saved_bytes_counts_what_backward_keeps() -> None:
     x = torch.randn(8, 16, requires_grad=True)
+    z = torch.randn(8, 16, requires_grad=True)
     counter = SavedBytes()
     with counter.track():
-        y = (x * x).sum()  # mul saves both inputs: 2 x 8 x 16 x 4 bytes
+        y = (x * z).sum()  # mul saves both inputs: 2 x 8 x 16 x 4 bytes
     assert counter.peak == 2 * 8 * 16 * 4
     del y
     assert counter.live == 0  # freed with the graph
+    with counter.track():
+        y = (x * x).sum() + x.t().sum()  # one storage, saved twice and seen through a view: held once
+    assert counter.live == 8 * 16 * 4
+    del y
+    assert counter.live == 0
 
 
 def test_profiles_are_cached_and_scaled_by_peak_ratio(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ Example:
     True
     >>> regular_cluster(4096, types=("H100", "A100-80GB"), regions=3).world_size
     4096
+    >>> family_cluster(7, 1000).world_size
+    1000
 """
 
 from __future__ import annotations
@@ -47,3 +49,35 @@ def regular_cluster(devices: int, types: tuple[str, ...], regions: int = 1, per_
         for i in range(devices // per_node)
     ]
     return Cluster.from_dict({"nodes": nodes})
+
+
+# Every catalogue type a family cluster may draw (mixing bf16-capable ones with V100/T4, which have none).
+FAMILY_TYPES = ("H100", "A100-80GB", "A100-40GB", "L4", "A10", "RTX4090", "V100", "T4")
+
+
+def family_cluster(seed: int, devices: int) -> Cluster:
+    """A cluster of exactly ``devices`` devices unlike the benchmark's regular ones: 2-6 types (not
+    more than the devices allow) with uneven weights, so node counts per type differ; each node has
+    1, 2, 4 or 8 devices (the last one fewer, to land on ``devices``) and lies in one of 1-4 regions."""
+    rnd = random.Random(seed)
+    types = rnd.sample(FAMILY_TYPES, min(rnd.randint(2, 6), devices))
+    weights = [rnd.uniform(0.2, 1.0) for _ in types]
+    regions = rnd.randint(1, 4)
+    nodes, left = [], devices
+    for i, name in enumerate(types):  # every type at least once
+        count = min(rnd.choice((1, 2, 4, 8)), left - (len(types) - 1 - i))
+        nodes.append((name, count))
+        left -= count
+    while left:
+        count = min(rnd.choice((1, 2, 4, 8)), left)
+        nodes.append((rnd.choices(types, weights)[0], count))
+        left -= count
+    rnd.shuffle(nodes)
+    return Cluster.from_dict(
+        {
+            "nodes": [
+                {"name": f"n{i}", "region": f"r{rnd.randrange(regions)}", "devices": [{"type": t, "count": c}]}
+                for i, (t, c) in enumerate(nodes)
+            ]
+        }
+    )

@@ -19,7 +19,8 @@ of a long pipeline makes a short loop the tightest; the full round trip (``t`` =
 ``k = w_s``) was the only one counted before, and that was 15% off on such pipelines.
 
 gpipe is two flow shops, forwards then backwards: ``Σ (F + B + 2c) + (m − 1)(max F + max B)``.
-The simulator replays the same schedules event by event; the tests hold the two within 5%.
+The simulator (:mod:`~tessera.planner.simulate`) replays the schedules event by event with its own
+model of communication; both are checked against measured testbed runs, not against each other.
 
 Stage ``s`` of a replica finishes its last backward ``Σ_{k<s} (B_k + transfer_k)`` before the
 replica's pipeline ends. Every stage's data-parallel group then synchronises gradients (it

@@ -238,6 +238,18 @@ def _explain(job: Launch, folder: Path, watcher: Watcher, torchrun_log: Path) ->
     return code, f"{message} Full tracebacks: {log}"
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun's process group, then SIGKILL after 10 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
 def launch(job: Launch) -> int:
     """Run ``job`` under torchrun; print one paragraph and return its exit code if it fails."""
     folder = Path(tempfile.mkdtemp(prefix="tessera-job-"))  # private (0700): reports, rendezvous, logs
@@ -251,13 +263,12 @@ def launch(job: Launch) -> int:
             )
             try:
                 code = _wait(proc, watcher)
-            except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            except (KeyboardInterrupt, SystemExit) as exc:
+                # Ctrl-C, or SIGTERM/SIGHUP turned into SystemExit (the testbed's handler): torchrun runs
+                # in a session of its own, so stop it here or its ranks outlive us.
+                _stop(proc)
+                if isinstance(exc, SystemExit):
+                    raise
                 print("tessera: error: interrupted; continue later with --resume.", file=sys.stderr)
                 return EXIT_INTERRUPTED
         if code == 0:
