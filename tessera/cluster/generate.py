@@ -58,18 +58,18 @@ FAMILY_TYPES = ("H100", "A100-80GB", "A100-40GB", "L4", "A10", "RTX4090", "V100"
 def family_cluster(seed: int, devices: int) -> Cluster:
     """A cluster of exactly ``devices`` devices unlike the benchmark's regular ones: 2-6 types (not
     more than the devices allow) with uneven weights, so node counts per type differ; each node has
-    1, 2, 4 or 8 devices (the last one fewer, to land on ``devices``) and lies in one of 1-4 regions."""
+    1, 2, 4 or 8 devices and lies in one of 1-4 regions."""
     rnd = random.Random(seed)
     types = rnd.sample(FAMILY_TYPES, min(rnd.randint(2, 6), devices))
     weights = [rnd.uniform(0.2, 1.0) for _ in types]
     regions = rnd.randint(1, 4)
     nodes, left = [], devices
-    for i, name in enumerate(types):  # every type at least once
-        count = min(rnd.choice((1, 2, 4, 8)), left - (len(types) - 1 - i))
+    for i, name in enumerate(types):  # every type at least once, leaving a device for each type still to come
+        count = rnd.choice([c for c in (1, 2, 4, 8) if c <= left - (len(types) - 1 - i)])
         nodes.append((name, count))
         left -= count
     while left:
-        count = min(rnd.choice((1, 2, 4, 8)), left)
+        count = rnd.choice([c for c in (1, 2, 4, 8) if c <= left])
         nodes.append((rnd.choices(types, weights)[0], count))
         left -= count
     rnd.shuffle(nodes)

@@ -62,6 +62,9 @@ class ModelCosts:
     source: str = "analytic"
     heads: int = 1  # tensor parallelism must divide this (the gcd of query and key/value head counts)
     shared_params: int = 0  # the last part's parameters that are the first's (a tied head): one copy on one stage
+    # Seconds the runtime's wrappers add on the reference device (measured by a live profile; 0: unknown):
+    fsdp_unit_s: float = 0.0  # per FSDP unit (a block, or the root) and pass
+    tp_block_s: float = 0.0  # tensor parallelism's dispatch, per block and pass
     # Per-stage sums, memoised: the planner asks for the same stages millions of times.
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -70,6 +70,9 @@ class RankMeasurement:
     peak_bytes: int
     memory_source: str  # "cuda max allocated" or "process max RSS"
     host_optimizer_gbs: float = 0.0  # the same on this rank's host CPU (where offload would step it)
+    # What the runtime's wrappers add on this device, measured on a one-rank mesh (no communication):
+    fsdp_unit_s: float = 0.0  # per FSDP unit (a block, or the root) and pass (a forward or a backward)
+    tp_block_s: float = 0.0  # tensor parallelism's DTensor dispatch, per block and pass
 
     def block_s(self) -> float:
         """Forward plus backward of one block, summed over the profiled micro-batch sizes (one size's
@@ -147,6 +150,50 @@ def measure_rank(
         *_peak_memory(device),
         _optimizer_gbs(model, torch.device("cpu")) if device.type != "cpu" else 0.0,
     )
+
+
+def measure_wrapper_overheads(
+    model: nn.Module, seq_len: int, device: torch.device, alone: dist.ProcessGroup
+) -> tuple[float, float]:
+    """(seconds per FSDP unit and pass, seconds of tensor-parallel dispatch per block and pass) on
+    this rank's device: a forward and backward of the whole model at micro-batch 1, plain, under
+    ``fully_shard`` (a unit per block and the root) and under the policy's tensor-parallel plan,
+    each on ``alone`` (a one-rank group: hooks, copies and DTensor dispatch, but no transfer; the
+    cost model and simulator add transfers from the links). A throttled CPU pays these in full;
+    profiling bare blocks missed them, and ZeRO-2 and tp2 ran 45% and 61% slower than predicted.
+    """
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tessera.models.policies import policy_for
+    from tessera.parallel.data_parallel import repeated_blocks
+    from tessera.parallel.tensor import apply_tensor_parallel
+
+    mesh = DeviceMesh.from_group(alone, device.type)
+    policy = policy_for(model, "the profiler")
+    n_blocks = len(repeated_blocks(model))
+    tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
+
+    def step_s(m: nn.Module) -> float:
+        def step() -> None:
+            m(tokens).float().mean().backward()
+
+        seconds = median_seconds(step, REPEATS, WINDOW_S)
+        m.zero_grad(set_to_none=True)
+        return seconds
+
+    plain = step_s(model)
+    sharded = copy.deepcopy(model)
+    for block in repeated_blocks(sharded):
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    fsdp = max(step_s(sharded) - plain, 0.0) / (2 * (n_blocks + 1))
+    del sharded
+    tensor_parallel = apply_tensor_parallel(copy.deepcopy(model), model, policy, mesh)
+    tp = max(step_s(tensor_parallel) - plain, 0.0) / (2 * n_blocks)
+    return fsdp, tp
 
 
 def _optimizer_gbs(model: nn.Module, device: torch.device, repeats: int = 3) -> float:
@@ -325,6 +372,8 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
     costs = ModelCosts.from_profile(fastest.profile, 1.0, analytic.hidden, live.precision)
     return replace(
         costs,
+        fsdp_unit_s=fastest.fsdp_unit_s,
+        tp_block_s=fastest.tp_block_s,
         name=analytic.name,
         heads=analytic.heads,
         shared_params=analytic.shared_params,

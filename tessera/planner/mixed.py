@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -93,6 +94,8 @@ class _Kind:
         )
         self.optimizer = {st: replica_optimizer_s(self.view(st, 1), costs) for st in self.splits}  # not in b
         self._pipe: dict[tuple[tuple, int], float] = {}
+        self._by_optimizer = sorted(self.splits, key=lambda st: self.optimizer[st])
+        self._best: dict[int, tuple[list[float], list[tuple[float, tuple]]]] = {}
 
     def view(self, stages, b: int) -> Layout:
         """This replica as a one-replica Layout with ``stages`` and micro-batch ``b``."""
@@ -116,11 +119,21 @@ class _Kind:
         return self._pipe[key]
 
     def best(self, b: int, cap: float) -> tuple[float, tuple]:
-        """(pipeline seconds, stages) of the fastest split that fits at ``b`` with an optimizer step ≤ ``cap``."""
-        return min(
-            ((self.pipeline(st, b), st) for st in self.splits if self.optimizer[st] <= cap),
-            default=(INFEASIBLE, self.splits[0]),
-        )
+        """(pipeline seconds, stages) of the fastest split that fits at ``b`` with an optimizer step ≤ ``cap``.
+
+        Per ``b``, the splits in order of optimizer step with the running best: every cap is then a
+        bisection (the greedy asks for each cap in turn, and scanning every split each time was
+        most of the planner's time on clusters of many small pools)."""
+        if b not in self._best:
+            caps, running, best = [], [], (INFEASIBLE, self.splits[0])
+            for st in self._by_optimizer:
+                best = min(best, (self.pipeline(st, b), st))
+                caps.append(self.optimizer[st])
+                running.append(best)
+            self._best[b] = (caps, running)
+        caps, running = self._best[b]
+        i = bisect.bisect_right(caps, cap)
+        return running[i - 1] if i else (INFEASIBLE, self.splits[0])
 
 
 def _depths(pool: Pool, n_layers: int) -> list[int]:

@@ -29,6 +29,7 @@ def profile(config: str, cluster_file: str, out: str) -> None:
         collective_latency_us,
         measure_links,
         measure_rank,
+        measure_wrapper_overheads,
     )
     from tessera.planner.profile import model_key
     from tessera.testbed.seat import current_seat, verify_seat
@@ -46,6 +47,8 @@ def profile(config: str, cluster_file: str, out: str) -> None:
     model = build_model(cfg).to(device)
     precision = plan_from_config(cfg.plan).precision
     mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device)
+    singletons = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
+    mine.fsdp_unit_s, mine.tp_block_s = measure_wrapper_overheads(model, cfg.data.seq_len, device, singletons[rank])
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     gathered: list[Any] = [None] * world
