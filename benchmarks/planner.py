@@ -15,9 +15,10 @@ turn (H100, A100-80GB, A100-40GB, L4, A10, RTX4090), three regions; a Llama-70B-
 batch 512. Median of --reps searches on one core.
 
 Part c (search time on a family it was not tuned on): ``family_cluster`` shapes, 16 to 4,096
-devices, 1/2/4/8 devices per node, 2-6 device types with uneven node counts, 1-4 regions, the
-same model; precision chosen as ``tessera plan`` does (fp16 where a type has no bf16). One
-search each on one core.
+devices, 1/2/4/8 devices per node, 2-6 device types with uneven node counts, 1-4 regions; the
+same 70B model from 256 devices, an 8B one (Llama-3-8B shape) below, where 70B fits nowhere;
+precision chosen as ``tessera plan`` does (fp16 where a type has no bf16). One search each on
+one core.
 
 Part d (memory binds): two types, a fast device with little memory and a slow one with a lot.
 A 2.2 B-parameter Llama, fp32 Adam: the speed-proportional plan (uneven shares, plain DDP) does
@@ -122,14 +123,18 @@ def family_time(seeds: int, sizes: tuple[int, ...]) -> dict:
     from tessera.cluster.generate import family_cluster
     from tessera.planner.precision import choose_precision
 
-    base = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    big = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    small = _costs("bf16", 4096, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
     rows = []
     for devices in sizes:
         for seed in range(seeds):
             cluster = family_cluster(1000 * devices + seed, devices)
             precision, _ = choose_precision(cluster, "auto")
+            # a 70B model does not fit on 16-64 small GPUs: those plan an 8B one (Llama-3-8B shape)
+            model, base = ("70B", big) if devices >= 256 else ("8B", small)
             costs = base.with_precision(precision)
             row: dict[str, Any] = {
+                "model": model,
                 "devices": devices,
                 "seed": 1000 * devices + seed,
                 "nodes": len(cluster.nodes),
@@ -143,15 +148,16 @@ def family_time(seeds: int, sizes: tuple[int, ...]) -> dict:
                 best = search(cluster, costs, 512, top=3)[0]
                 p = best.plan
                 row["best"] = f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} m{p.pipeline.microbatches} {p.recompute}"
-                if p.placement is not None:
+                if p.placement is not None and len(p.placement) < devices:
                     row["best"] += f" on {len(p.placement)} of {devices}"
             except PlanError as exc:
                 row["best"] = f"no plan: {str(exc)[:80]}"
             row["search_s"] = time.perf_counter() - t0
             rows.append(row)
             print(
-                f"{devices:5d} devices {row['nodes']:4d} nodes per-node {row['per_node']} {len(row['types'])} types "
-                f"{row['regions']} regions {precision}: {row['search_s']:.2f} s  {row['best']}",
+                f"{model:3s} {devices:5d} devices {row['nodes']:4d} nodes per-node {row['per_node']} "
+                f"{len(row['types'])} types {row['regions']} regions {precision}: {row['search_s']:.2f} s  "
+                f"{row['best']}",
                 flush=True,
             )
     return {"rows": rows, "worst_s": max(r["search_s"] for r in rows)}

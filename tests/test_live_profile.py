@@ -138,3 +138,30 @@ def test_a_slow_device_that_costs_more_than_it_gives_is_left_out(live: LiveProfi
     everyone = plan_for(cluster, model, 8, costs=costs, top=1, use_every_device=True)[0]
     assert everyone.plan.placement is None or sorted(everyone.plan.placement) == [0, 1, 2]
     assert everyone.estimate.step_s > best.estimate.step_s
+
+
+def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfile) -> None:
+    """The fastest rank's measured FSDP and tensor-parallel overheads reach the costs; the cost model
+    adds them per unit (blocks and root) under ZeRO-2/3 and per block under tp, scaled by speed, and
+    the simulator charges the same passes."""
+    from dataclasses import replace
+
+    from tessera.plan import Plan
+    from tessera.planner.layout import layout_from_plan, op_times
+    from tessera.planner.simulate import simulate
+
+    ranks = [replace(r, fsdp_unit_s=1e-3 * (1 + i), tp_block_s=4e-3 * (1 + i)) for i, r in enumerate(live.ranks)]
+    costs = measured_costs(replace(live, ranks=ranks), ModelCosts.from_model(build_model("llama:4"), 16))
+    assert (costs.fsdp_unit_s, costs.tp_block_s) == (1e-3, 4e-3)  # rank 0 is the fastest
+    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=0.0)
+    one_node = Cluster.from_dict({"nodes": [CLUSTER["nodes"][0]], "device_types": CLUSTER["device_types"]})
+    cluster = measured_cluster(one_node, replace(live, ranks=ranks[:2], links=live.links[1:]))
+    for plan, extra in ((Plan(zero=3), 5 * 1e-3), (Plan(tp=2), 4 * 4e-3), (Plan(zero=0), 0.0)):
+        layout = layout_from_plan(plan, cluster, costs, 4)
+        unit = layout.replicas[0].units[0]
+        scale = costs.ref_tflops / unit.peak_tflops
+        with_it, without = op_times(layout, costs, layout.replicas[0]), op_times(layout, bare, layout.replicas[0])
+        assert with_it.forward[0] - without.forward[0] == pytest.approx(extra * scale)  # 4 blocks (+ the root)
+        assert with_it.backward[0] - without.backward[0] == pytest.approx(extra * scale)
+        gained = simulate(layout, costs).step_s - simulate(layout, bare).step_s
+        assert gained == pytest.approx(2 * extra * scale, rel=0.05, abs=1e-9)
