@@ -14,7 +14,9 @@ time_scale, scaled by peak per device). Three plans, run in turn, --reps times e
 - drop slow: DDP with equal shares on the two fast devices only (a 2-device cluster).
 
 Reported: measured median step time and tokens/s (median over steps 3.. of each run, then over
-runs), the planner's predicted step time for each plan, and the ratios. What emulation does not
+runs), the planner's predicted step time for each plan, and the ratios; per row, which function
+chose the plan and the share of its predicted step the emulator paces with the cost model's own
+block times (a match within that share confirms nothing about the planner). What emulation does not
 stretch is calibrated on this machine first and written into the cluster file: the gloo
 all-reduce bandwidth and the latency of a tiny collective between the local ranks, and the
 optimizer step's speed.
@@ -166,9 +168,27 @@ def profiled_costs(time_scale: float) -> Any:
     return ModelCosts.from_profile(profile, peak_tflops=4.0 * time_scale, hidden=128)
 
 
-def compare(plans: dict[str, tuple], costs: Any, args: argparse.Namespace, baseline: str) -> dict[str, dict]:
+def paced_share(plan: Any, cluster: Any, costs: Any) -> float:
+    """The share of the cost model's predicted step that the emulator paces itself: the step less the
+    same prediction with the blocks' compute (what emulation sleeps for) taken out, over the step. A
+    measurement that matches a prediction by this share is agreeing with the cost model's own numbers."""
+    from dataclasses import replace
+
+    from tessera.planner.costmodel import estimate
+    from tessera.planner.layout import layout_from_plan
+
+    step = estimate(layout_from_plan(plan, cluster, costs, BATCH), costs).step_s
+    parts = {**costs.parts, "block": replace(costs.parts["block"], forward_s=0.0, call_s=0.0)}
+    unpaced = replace(costs, parts=parts, _memo={})
+    return 1.0 - estimate(layout_from_plan(plan, cluster, unpaced, BATCH), unpaced).step_s / step
+
+
+def compare(
+    plans: dict[str, tuple], costs: Any, args: argparse.Namespace, baseline: str, chosen_by: dict[str, str]
+) -> dict[str, dict]:
     """Run ``plans`` (name → (Plan, Cluster, cluster spec)) in turn, ``args.reps`` times each, on emulated
-    devices paced by ``costs``; print and return each plan's measured and predicted step."""
+    devices paced by ``costs``; print and return each plan's measured and predicted step, which function
+    chose it (``chosen_by``) and the share of the prediction the emulator paces itself."""
     from tessera.planner.costmodel import estimate
     from tessera.planner.layout import layout_from_plan
     from tessera.testing import run_ranks
@@ -198,6 +218,8 @@ def compare(plans: dict[str, tuple], costs: Any, args: argparse.Namespace, basel
         predicted = estimate(layout_from_plan(plan, cluster, costs, BATCH), costs).step_s
         rows[name] = {
             "plan": plan_summary(plan),
+            "chosen_by": chosen_by[name],
+            "paced_share_of_prediction": paced_share(plan, cluster, costs),
             "measured_step_s": step,
             "tokens_per_s": BATCH * SEQ / step,
             "predicted_step_s": predicted,
@@ -209,7 +231,8 @@ def compare(plans: dict[str, tuple], costs: Any, args: argparse.Namespace, basel
         print(
             f"{name:10s} measured {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:7.0f} tokens/s "
             f"(x{row['tokens_per_s'] / rows[baseline]['tokens_per_s']:.2f} {baseline})  predicted "
-            f"{row['predicted_step_s']:.3f} s ({row['predicted_over_measured'] - 1:+.1%})"
+            f"{row['predicted_step_s']:.3f} s ({row['predicted_over_measured'] - 1:+.1%}; "
+            f"{row['paced_share_of_prediction']:.0%} of it paced by the emulator)  chosen by {row['chosen_by']}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"time_scale": args.time_scale, "rows": rows}, indent=2, default=str))
@@ -233,7 +256,12 @@ def main() -> None:
         "uniform": (DDP(), four, four_spec),
         "drop slow": (DDP(), two, two_spec),
     }
-    compare(plans, costs, args, baseline="uniform")
+    chosen_by = {
+        "planned": "tessera.planner.search.search (the cost model)",
+        "uniform": "fixed: DDP() on all four",
+        "drop slow": "fixed: DDP() on the two fast devices",
+    }
+    compare(plans, costs, args, baseline="uniform", chosen_by=chosen_by)
     print("EMULATED cluster: speeds 1, 1, 1/2, 1/4 by sleeping (time scale", args.time_scale, ")")
 
 

@@ -60,7 +60,13 @@ def main() -> None:
     }
     for name, (plan, _, _) in plans.items():
         print(f"{name:10s} {plan.to_dict()}")
-    compare(plans, costs, args, baseline="planned")
+    chosen_by = {
+        "planned": "tessera.planner.search.search (the cost model): its best",
+        "mixed": "tessera.planner.search.search: its best with replicas of different depth",
+        "mixed m>=2": "tessera.planner.search.search: its best of those with 2+ micro-batches",
+        "drop small": "fixed: DDP() on the fast node",
+    }
+    compare(plans, costs, args, baseline="planned", chosen_by=chosen_by)
     print(
         f"EMULATED cluster: speeds 1, 1/4, 1/4 by sleeping (time scale {args.time_scale}); small memory {SMALL_GIB} GiB"
     )

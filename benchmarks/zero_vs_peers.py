@@ -5,10 +5,12 @@ hidden 384, vocab 8192, sequence 128, batch 4 per rank, fp32, AdamW, 2 ranks
 (gloo on CPU, NCCL on CUDA). Systems are interleaved: every repetition runs
 each system once, in a rotated order, on freshly built models, so drift of
 the machine hits all systems alike. Reported per system: median step time over
-repetitions (each repetition's figure is the median of its timed steps) and
-the bytes of every tensor reachable from the model and optimizer objects on
-rank 0 (one rule for all systems, so DeepSpeed's flat fp32 copies and
-buffers count too). Ratios are ours / peer; below 1.0 means ours is faster.
+repetitions (each repetition's figure is the median of its timed steps); the
+bytes of every tensor reachable from the model and optimizer objects on rank 0,
+counted after one more, untimed, step (one rule for all systems, so DeepSpeed's
+flat fp32 copies count too); and the allocator's peak from building each system
+to the end of its second step, which also sees what torch's C++ objects hold
+(DDP's buckets) that no Python reference reaches. Ratios are ours / peer; below 1.0 means ours is faster.
 
     pip install -e '.[bench]'
     python benchmarks/zero_vs_peers.py [--reps 5] [--steps 5] [--json out.json]
@@ -141,7 +143,16 @@ def setup(system: str, device: torch.device) -> tuple[nn.Module, Any, Any]:
     raise ValueError(system)
 
 
+def _step(model: nn.Module, opt: Any, backward: Any, tokens: torch.Tensor) -> None:
+    logits = model(tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    backward(loss)
+    opt.step()
+
+
 def run_system(system: str, steps: int, warmup: int, device: torch.device) -> tuple[float, int]:
+    """(median seconds of the timed steps, bytes reachable from model and optimizer): the state is
+    counted after one more, untimed, step (gradients and optimizer state alive), not inside a timed one."""
     import torch.distributed as dist
 
     model, opt, backward = setup(system, device)
@@ -153,19 +164,39 @@ def run_system(system: str, steps: int, warmup: int, device: torch.device) -> tu
             torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
-        logits = model(tokens[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        backward(loss)
-        opt.step()
-        if step == warmup + steps - 1:  # peak state: gradients and optimizer state alive
-            state = reachable_bytes(model, opt)
+        _step(model, opt, backward, tokens)
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
+    _step(model, opt, backward, tokens)  # untimed: the peak state, counted outside the timed steps
+    state = reachable_bytes(model, opt)
+    opt.zero_grad()
     del model, opt
     return statistics.median(times), state
+
+
+def allocator_peak(system: str, device: torch.device) -> int:
+    """Peak bytes the tensor allocator held from building the system to the end of its second step.
+
+    Allocator-level, so what torch's C++ objects hold (DDP's gradient buckets, FSDP's flat
+    buffers, DeepSpeed's partitions and staging copies) counts as well as what Python reaches:
+    CUDA's max allocated on a GPU, the profiler's record of every allocation on CPU."""
+    import torch.distributed as dist
+
+    from tessera.memory import peak_tensor_bytes
+
+    dist.barrier()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (LOCAL_BATCH, SEQ + 1), generator=g).to(device)
+    with peak_tensor_bytes(device, live_before=0) as peak:
+        model, opt, backward = setup(system, device)
+        for _ in range(2):
+            _step(model, opt, backward, tokens)
+            opt.zero_grad()
+    del model, opt
+    return peak[0]
 
 
 def rank_main(systems: list[str], reps: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -178,6 +209,7 @@ def rank_main(systems: list[str], reps: int, steps: int, warmup: int) -> dict[st
         torch.cuda.set_device(device)
     times: dict[str, list[float]] = {s: [] for s in systems}
     state: dict[str, int] = {}
+    allocated = {system: allocator_peak(system, device) for system in systems}  # once each, before timing
     for rep in range(reps):
         order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
         for system in order:
@@ -189,6 +221,7 @@ def rank_main(systems: list[str], reps: int, steps: int, warmup: int) -> dict[st
     return {
         "times": times,
         "state_bytes": state,
+        "allocator_peak_bytes": allocated,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
@@ -201,6 +234,7 @@ def report(result: dict[str, Any], world: int) -> dict[str, Any]:
             "system": s,
             "median_step_ms": med[s] * 1e3,
             "state_mib_rank0": result["state_bytes"][s] / 2**20,
+            "allocator_peak_mib_rank0": result["allocator_peak_bytes"][s] / 2**20,
             "reps_ms": [t * 1e3 for t in result["times"][s]],
         }
         for s in med
@@ -211,6 +245,7 @@ def report(result: dict[str, Any], world: int) -> dict[str, Any]:
             "peer": b,
             "time_ratio": med[a] / med[b],
             "state_ratio": result["state_bytes"][a] / result["state_bytes"][b],
+            "allocator_peak_ratio": result["allocator_peak_bytes"][a] / result["allocator_peak_bytes"][b],
         }
         for a, b in PAIRS
         if a in med and b in med
@@ -219,12 +254,18 @@ def report(result: dict[str, Any], world: int) -> dict[str, Any]:
         f"\nGPT-2 6L/384/vocab {VOCAB}, seq {SEQ}, batch {LOCAL_BATCH}/rank, {world} ranks, "
         f"fp32, device {result['device_name']}, torch {torch.__version__}"
     )
-    print(f"{'system':30s} {'median ms/step':>15s} {'state MiB (rank 0)':>19s}")
+    print(f"{'system':30s} {'median ms/step':>15s} {'state MiB (rank 0)':>19s} {'allocator peak MiB':>19s}")
     for r in rows:
-        print(f"{r['system']:30s} {r['median_step_ms']:15.1f} {r['state_mib_rank0']:19.2f}")
-    print(f"\n{'ours / peer':55s} {'time':>7s} {'state':>7s}")
+        print(
+            f"{r['system']:30s} {r['median_step_ms']:15.1f} {r['state_mib_rank0']:19.2f} "
+            f"{r['allocator_peak_mib_rank0']:19.2f}"
+        )
+    print(f"\n{'ours / peer':55s} {'time':>7s} {'state':>7s} {'alloc':>7s}")
     for r in ratios:
-        print(f"{r['ours'] + ' / ' + r['peer']:55s} {r['time_ratio']:7.3f} {r['state_ratio']:7.3f}")
+        print(
+            f"{r['ours'] + ' / ' + r['peer']:55s} {r['time_ratio']:7.3f} {r['state_ratio']:7.3f} "
+            f"{r['allocator_peak_ratio']:7.3f}"
+        )
     return {
         "model": "gpt2-6L-384h-8192v",
         "seq": SEQ,

@@ -215,7 +215,7 @@ def _cluster_profile(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out", args.force)
     out = Path(args.out).resolve()
     job = Launch(
-        [str(Path(args.config).resolve()), str(Path(args.cluster).resolve()), str(out)],
+        [str(Path(args.config).resolve()), str(Path(args.cluster).resolve()), str(out)] + ["--quick"] * args.quick,
         out.parent,
         nproc=nproc,
         nnodes=args.nnodes,
@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--cluster", required=True, help="the cluster file the launch plays (rank r = device r)")
     profile.add_argument("--out", default="cluster-profile.json", help="where rank 0 writes the live profile")
     profile.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    profile.add_argument(
+        "--quick", action="store_true", help="short timing windows: a smoke check of the job, too noisy to plan from"
+    )
     profile.add_argument("--nproc", type=_count(1), help="ranks per node (default: the cluster's devices / --nnodes)")
     profile.add_argument("--nnodes", type=_count(1), default=1)
     profile.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")

@@ -166,7 +166,7 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     config.write_text(yaml.safe_dump({**GOOD, "logging": {**GOOD["logging"], "out_dir": str(tmp_path / "runs")}}))
     train = ["train", str(config), "--nproc", "2", "--testbed", str(cluster), "--testbed-cpus", "1.6"]
     profile = ["cluster", "profile", str(config), "--cluster", str(cluster), "--testbed", "--testbed-cpus", "1.6"]
-    profile += ["--out", str(tmp_path / "live.json")]
+    profile += ["--out", str(tmp_path / "live.json"), "--quick"]
     procs = [
         subprocess.Popen([sys.executable, "-m", "tessera.cli", *argv], stdout=PIPE, stderr=PIPE, text=True)
         for argv in (train, profile)

@@ -136,10 +136,12 @@ def measure_rank(
     seq_len: int,
     device: torch.device,
     batch_sizes: tuple[int, ...] = (1, 2, 4),
+    repeats: int = REPEATS,
+    window_s: float = WINDOW_S,
 ) -> RankMeasurement:
     """Profile ``model``'s parts and an optimizer step on this rank's ``device``."""
     node, _, device_type = cluster.devices()[device_index]
-    profile = profile_model(model, batch_sizes, seq_len, device, device_type.name, REPEATS, WINDOW_S)
+    profile = profile_model(model, batch_sizes, seq_len, device, device_type.name, repeats, window_s)
     return RankMeasurement(
         dist.get_rank(),
         device_index,
@@ -153,7 +155,12 @@ def measure_rank(
 
 
 def measure_wrapper_overheads(
-    model: nn.Module, seq_len: int, device: torch.device, alone: dist.ProcessGroup
+    model: nn.Module,
+    seq_len: int,
+    device: torch.device,
+    alone: dist.ProcessGroup,
+    repeats: int = REPEATS,
+    window_s: float = WINDOW_S,
 ) -> tuple[float, float]:
     """(seconds per FSDP unit and pass, seconds of tensor-parallel dispatch per block and pass) on
     this rank's device: a forward and backward of the whole model at micro-batch 1, plain, under
@@ -180,7 +187,7 @@ def measure_wrapper_overheads(
         def step() -> None:
             m(tokens).float().mean().backward()
 
-        seconds = median_seconds(step, REPEATS, WINDOW_S)
+        seconds = median_seconds(step, repeats, window_s)
         m.zero_grad(set_to_none=True)
         return seconds
 

@@ -15,8 +15,10 @@ from typing import Any
 
 from tessera.train.failures import EXIT_OK, Reporter
 
+QUICK = {"repeats": 3, "window_s": 0.05}  # --quick: a smoke check's timings, not a planning profile
 
-def profile(config: str, cluster_file: str, out: str) -> None:
+
+def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -46,9 +48,12 @@ def profile(config: str, cluster_file: str, out: str) -> None:
     device = pick_device()
     model = build_model(cfg).to(device)
     precision = plan_from_config(cfg.plan).precision
-    mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device)
+    timing: dict[str, Any] = QUICK if quick else {}
+    mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device, **timing)
     singletons = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
-    mine.fsdp_unit_s, mine.tp_block_s = measure_wrapper_overheads(model, cfg.data.seq_len, device, singletons[rank])
+    mine.fsdp_unit_s, mine.tp_block_s = measure_wrapper_overheads(
+        model, cfg.data.seq_len, device, singletons[rank], **timing
+    )
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     gathered: list[Any] = [None] * world
@@ -64,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("cluster")
     ap.add_argument("out")
+    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     reporter = Reporter()
     reporter.started()
     try:
-        profile(args.config, args.cluster, args.out)
+        profile(args.config, args.cluster, args.out, args.quick)
     except BaseException as exc:  # noqa: BLE001 - every way a rank ends is reported
         return reporter.failed(exc, "profiling")
     reporter.finished()
