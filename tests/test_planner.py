@@ -262,19 +262,21 @@ def test_runtime_maps_a_placed_rank_to_its_gpu(monkeypatch) -> None:
 
 
 def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCosts, tmp_path) -> None:
-    """Seed 19: one A100-80GB beside 2 + 4 T4s over two regions (7 devices: no dp × pp grid but dp 7).
-    The best plan gives each pool its own pipeline depth, beats every grid plan, and is costed,
-    simulated and rebuilt from its Plan alike."""
+    """Seed 106: four 3 GiB "small" devices beside three A100-80GB (7 devices: no dp × pp grid but
+    dp 7). The best plan gives each pool its own pipeline depth (the small devices need four stages
+    to fit, the A100s three), beats every grid plan, and is costed, simulated and rebuilt from its
+    Plan alike. (Seed 19, two regions, was the case before each DDP bucket paid the WAN's latency:
+    the grid wins there now.)"""
     from tessera.planner.draw import draw
 
-    cluster = random_cluster(19)
+    cluster = random_cluster(106)
     found = search(cluster, costs, BATCH, top=60, microbatches=MICROBATCHES)
     best = found[0]
     assert best.plan.replicas is not None
-    assert sorted(r.depth for r in best.plan.replicas) == [1, 2, 4], best.placement
+    assert sorted(r.depth for r in best.plan.replicas) == [3, 4], best.placement
     grid = next(c for c in found if c.plan.replicas is None)
-    assert best.estimate.step_s < grid.estimate.step_s * 0.8
-    assert best.plan.resolve(cluster.world_size).dp == 3
+    assert best.estimate.step_s < grid.estimate.step_s * 0.9
+    assert best.plan.resolve(cluster.world_size).dp == 2
     rebuilt = layout_from_plan(best.plan, cluster, costs, BATCH)
     assert math.isclose(estimate(rebuilt, costs).step_s, best.estimate.step_s, rel_tol=1e-9)
     assert {(e.replica, e.stage) for e in simulate(best.layout, costs).events} == {

@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tessera.cluster.spec import Link
@@ -259,8 +260,11 @@ def bottleneck(layout: Layout, breakdown: dict[str, float]) -> str:
 
 # ------------------------------------------------- replicas of different depth
 def replica_sync_s(costs: ModelCosts, link: Link, replicas: int) -> float:
-    """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica)."""
-    return link.all_reduce_s(4 * costs.stage_params(0, costs.n_layers), replicas)
+    """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica), in
+    flat buckets of ``BUCKET_BYTES`` one after the other, each paying the ring's latency."""
+    grads = 4 * costs.stage_params(0, costs.n_layers)
+    buckets = math.ceil(grads / BUCKET_BYTES)
+    return link.all_reduce_s(grads, replicas) + (buckets - 1) * 2 * (replicas - 1) * link.latency_us * 1e-6
 
 
 def replica_optimizer_s(view: Layout, costs: ModelCosts) -> float:

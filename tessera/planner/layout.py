@@ -13,10 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster, Link
 from tessera.errors import PlanError
+from tessera.parallel.data_parallel import BUCKET_BYTES
 from tessera.plan import Plan, RankCoords
 from tessera.planner.costs import ModelCosts
 
@@ -141,7 +143,9 @@ def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflo
 def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     """Data-parallel gradient synchronisation of one stage's parameters (fp32 gradients).
 
-    ZeRO-0 moves one all-reduce's volume. FSDP (ZeRO-2/3) works unit by unit (each block and the
+    ZeRO-0 moves one all-reduce's volume, in one all-reduce per DDP bucket (each pays the ring's
+    latency: on a WAN that, not the volume, can be the sync) or one flat one under a pipeline.
+    FSDP (ZeRO-2/3) works unit by unit (each block and the
     stage's root): it reduce-scatters once per step and gathers the parameters for every
     micro-batch's forward, and under ZeRO-3 again for its backward, so without a pipeline it
     moves (m + 1)/2 and (2m + 1)/2 all-reduces' volume and pays the latency of every one of those
@@ -164,6 +168,11 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
         units = end - first + 1
         return uses * (half_volume + units * (dp - 1) * link.latency_us * 1e-6)
     seconds = link.all_reduce_s(grad_bytes, dp)
+    # One all-reduce per bucket, one after the other, each paying the ring's latency: DDP's buckets
+    # (tensor parallel: replicate's unit per block) without a pipeline; one flat one under a pipeline.
+    if layout.pp == 1:
+        calls = end - first + 1 if layout.tp > 1 else math.ceil(grad_bytes / BUCKET_BYTES)
+        seconds += (calls - 1) * 2 * (dp - 1) * link.latency_us * 1e-6
     if layout.zero == 1:
         # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces:
         # an all-gather's volume, and a collective's latency per parameter tensor.
