@@ -24,7 +24,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
 
     import tessera
     from tessera.cluster.spec import Cluster
-    from tessera.distributed import pick_device
+    from tessera.distributed import pick_device, shutdown
     from tessera.planner.live_profile import (
         LiveProfile,
         all_reduce_gbs,
@@ -62,6 +62,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
         live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, gathered, links, latency, bus)
         print(f"wrote {live.save(out)}", flush=True)
+    shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

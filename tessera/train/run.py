@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
 
         trainer = Trainer(load_config(args.config, args.overrides), overwrite=args.overwrite)
         trainer.run()
+        from tessera.distributed import shutdown
+
+        shutdown()
     except BaseException as exc:  # noqa: BLE001 - every way a rank ends is reported
         return reporter.failed(exc, trainer.where() if trainer is not None else "set-up")
     reporter.finished()
