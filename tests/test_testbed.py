@@ -131,7 +131,10 @@ def test_ranks_get_their_quota_and_their_link_rate(tmp_path: Path) -> None:
 def _hold_a_testbed(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     spec = tmp_path / "cluster.yaml"
     spec.write_text(yaml.safe_dump(CLUSTER))
+    # A suite started in the background inherits SIGINT ignored, and Python then keeps it ignored:
+    # restore Ctrl-C's handler, or SIGINT never reaches the testbed (the wait below timed out).
     code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import time; from tessera.cluster.spec import Cluster; from tessera.testbed import Testbed\n"
         f"with Testbed(Cluster.load({str(spec)!r}), [0, 1], cpus=1.0) as bed:\n"
         "    print(bed.name, flush=True); time.sleep(120)\n"
@@ -145,7 +148,7 @@ def test_the_testbed_is_torn_down_on_ctrl_c_sigterm_and_by_clean_after_sigkill(t
     for (proc, name), sig in zip(held, (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)):
         assert len(_leftovers(name)) == 4, _leftovers(name)  # two namespaces, the cgroup, the state file
         proc.send_signal(sig)
-        proc.wait(90)  # teardown is quick; a loaded machine in the full suite once took over 30 s
+        proc.wait(30)
     for proc, name in held[:2]:
         assert not _leftovers(name), f"{name} after {proc.returncode}: {_leftovers(name)}"
     killed = held[2][1]
