@@ -167,7 +167,7 @@ def measure_wrapper_overheads(
     ``fully_shard`` (a unit per block and the root) and under the policy's tensor-parallel plan,
     each on ``alone`` (a one-rank group: hooks, copies and DTensor dispatch, but no transfer; the
     cost model and simulator add transfers from the links). A throttled CPU pays these in full;
-    profiling bare blocks missed them, and ZeRO-2 and tp2 ran 45% and 61% slower than predicted.
+    profiling bare blocks missed them, and ZeRO-2 and tp2 were predicted 45% and 61% too fast.
     """
     import copy
 
