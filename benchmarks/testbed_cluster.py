@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,14 +74,67 @@ def tessera(*args: str) -> str:
     return proc.stdout + proc.stderr
 
 
-def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> float:
-    """Median step time (s) over steps 3.. of one `tessera train --testbed` run."""
+def train_records(
+    work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int, **train: Any
+) -> list[dict]:
+    """The metrics records of one `tessera train --testbed` run (``train``: more ``train:`` fields)."""
+    cfg = config(work / "runs", plan, steps, name)
+    cfg["train"].update(train)
     path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config(work / "runs", plan, steps, name)))
+    path.write_text(yaml.safe_dump(cfg))
     tessera("train", str(path), "--nproc", str(nproc), "--testbed", str(cluster_file), "--testbed-cpus", str(cpus),
             "--overwrite")  # fmt: skip
-    records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> float:
+    """Median step time (s) over steps 3.. of one `tessera train --testbed` run."""
+    records = train_records(work, name, plan, nproc, cluster_file, cpus, steps)
     return statistics.median(r["step_time_s"] for r in records if r["step"] >= 3)
+
+
+@dataclass
+class ProfiledTestbed:
+    """A fresh folder with the cluster and model files, and what the live profile measured there."""
+
+    work: Path
+    spec: dict
+    cluster_file: Path
+    model: Any  # the model, on the meta device
+    live: Any  # LiveProfile
+    cluster: Any  # the measured Cluster
+    costs: Any  # the measured ModelCosts
+
+
+def profile_testbed(prefix: str, link_mbit: float, cpus: float, steps: int) -> ProfiledTestbed:
+    """Write the testbed's cluster and model files, run `tessera cluster profile --testbed` on them and
+    read the measured cluster and costs the planner and the predictors use."""
+    import torch
+
+    from tessera.cluster.spec import Cluster
+    from tessera.planner import ModelCosts
+    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
+    from tessera.train.build import build_model
+    from tessera.train.config import load_config
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    spec = cluster_spec(link_mbit)
+    cluster_file = work / "cluster.yaml"
+    cluster_file.write_text(yaml.safe_dump(spec))
+    model_file = work / "model.yaml"
+    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, steps, "profile")))
+    start = time.monotonic()
+    tessera("cluster", "profile", str(model_file), "--cluster", str(cluster_file), "--testbed", "--testbed-cpus",
+            str(cpus), "--out", str(work / "live.json"))  # fmt: skip
+    live = LiveProfile.load(work / "live.json")
+    print(f"profiled in {time.monotonic() - start:.0f} s; relative speeds {relative_speeds(live)}; links:")
+    for k in live.links:
+        print(f"  {k.nodes[0]} <-> {k.nodes[1]}: {k.bandwidth_gbs * 8e3:.1f} Mbit/s, {k.latency_us:.0f} us")
+    with torch.device("meta"):
+        model = build_model(load_config(str(model_file), []))
+    cluster = measured_cluster(Cluster.from_dict(spec), live)
+    costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
+    return ProfiledTestbed(work, spec, cluster_file, model, live, cluster, costs)
 
 
 def predictions(plans: dict[str, tuple[Any, Any]], costs: Any) -> dict[str, dict[str, float]]:
@@ -104,36 +158,15 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    import torch
-
     from tessera import DDP
     from tessera.cluster.spec import Cluster
-    from tessera.planner import ModelCosts, plan_for
+    from tessera.planner import plan_for
     from tessera.planner.layout import ranks_of
-    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
-    from tessera.train.build import build_model
-    from tessera.train.config import load_config
 
-    work = Path(tempfile.mkdtemp(prefix="testbed-bench-"))
-    spec = cluster_spec(args.link_mbit)
-    cluster_file = work / "cluster.yaml"
-    cluster_file.write_text(yaml.safe_dump(spec))
-    model_file = work / "model.yaml"
-    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, args.steps, "profile")))
-
-    start = time.monotonic()
-    tessera("cluster", "profile", str(model_file), "--cluster", str(cluster_file), "--testbed", "--testbed-cpus",
-            str(args.cpus), "--out", str(work / "live.json"))  # fmt: skip
-    live = LiveProfile.load(work / "live.json")
-    print(f"profiled in {time.monotonic() - start:.0f} s; relative speeds {relative_speeds(live)}; links:")
-    for k in live.links:
-        print(f"  {k.nodes[0]} <-> {k.nodes[1]}: {k.bandwidth_gbs * 8e3:.1f} Mbit/s, {k.latency_us:.0f} us")
-
-    with torch.device("meta"):
-        model = build_model(load_config(str(model_file), []))
-    declared = Cluster.from_dict(spec)
-    measured = measured_cluster(declared, live)
-    costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
+    bed = profile_testbed("testbed-bench-", args.link_mbit, args.cpus, args.steps)
+    work, cluster_file, live, measured, costs, model = (
+        bed.work, bed.cluster_file, bed.live, bed.cluster, bed.costs, bed.model
+    )  # fmt: skip
     best = plan_for(measured, model, BATCH, costs=costs, top=1)[0]
     planned = best.plan
     for note in best.notes:

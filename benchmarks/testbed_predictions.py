@@ -28,15 +28,11 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).parent))
-from testbed_cluster import BATCH, SEQ, cluster_spec, config, tessera  # noqa: E402
+from testbed_cluster import BATCH, profile_testbed, train_records  # noqa: E402
 
 # name -> (plan section, ranks). Ranks take cluster devices in order (a:0, a:1, b:0, c:0) unless placed.
 LAYOUTS: dict[str, tuple[dict, int]] = {
@@ -61,13 +57,7 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
 def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> dict:
     """One `tessera train --testbed` run: median step time (steps 3 .. steps − 1) and peak bytes per rank."""
     slug = "".join(c if c.isalnum() else "_" for c in name)
-    cfg = config(work / "runs", plan, steps, slug)
-    cfg["train"]["measure_memory_at"] = steps
-    path = work / f"{slug}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    tessera("train", str(path), "--nproc", str(nproc), "--testbed", str(cluster_file), "--testbed-cpus", str(cpus),
-            "--overwrite")  # fmt: skip
-    records = [json.loads(line) for line in (work / "runs" / slug / "metrics.jsonl").read_text().splitlines()]
+    records = train_records(work, slug, plan, nproc, cluster_file, cpus, steps, measure_memory_at=steps)
     step = statistics.median(r["step_time_s"] for r in records if 3 <= r["step"] < steps)
     return {"step_s": step, "peak_bytes": records[-1]["peak_tensor_bytes_per_rank"]}
 
@@ -112,30 +102,11 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    import torch
-
-    from tessera.cluster.spec import Cluster
-    from tessera.planner import ModelCosts
-    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
-    from tessera.train.build import build_model
-    from tessera.train.config import PlanConfig, load_config, plan_from_config
+    from tessera.train.config import PlanConfig, plan_from_config
 
     layouts = {k: v for k, v in LAYOUTS.items() if not args.only or k in args.only}
-    work = Path(tempfile.mkdtemp(prefix="testbed-predictions-"))
-    spec = cluster_spec(args.link_mbit)
-    cluster_file = work / "cluster.yaml"
-    cluster_file.write_text(yaml.safe_dump(spec))
-    model_file = work / "model.yaml"
-    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, args.steps, "profile")))
-    start = time.monotonic()
-    tessera("cluster", "profile", str(model_file), "--cluster", str(cluster_file), "--testbed", "--testbed-cpus",
-            str(args.cpus), "--out", str(work / "live.json"))  # fmt: skip
-    live = LiveProfile.load(work / "live.json")
-    print(f"profiled in {time.monotonic() - start:.0f} s; relative speeds {relative_speeds(live)}", flush=True)
-    with torch.device("meta"):
-        model = build_model(load_config(str(model_file), []))
-    cluster = measured_cluster(Cluster.from_dict(spec), live)
-    costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
+    bed = profile_testbed("testbed-predictions-", args.link_mbit, args.cpus, args.steps)
+    work, cluster_file, live, cluster, costs = bed.work, bed.cluster_file, bed.live, bed.cluster, bed.costs
 
     measured: dict[str, list[dict]] = {name: [] for name in layouts}
     for rep in range(args.reps):
