@@ -63,11 +63,12 @@ class Link:
         """Time to move ``n_bytes`` over this link once."""
         return self.latency_us * 1e-6 + n_bytes / (self.bandwidth_gbs * 1e9)
 
-    def all_reduce_s(self, n_bytes: float, n: int) -> float:
-        """Ring all-reduce of ``n_bytes`` over ``n`` ranks joined by this link (reduce-scatter + all-gather)."""
+    def all_reduce_s(self, n_bytes: float, n: int, calls: int = 1) -> float:
+        """Ring all-reduce of ``n_bytes`` over ``n`` ranks joined by this link (reduce-scatter + all-gather),
+        issued as ``calls`` all-reduces one after the other (buckets): each pays the ring's latency."""
         if n <= 1:
             return 0.0
-        return 2 * (n - 1) / n * n_bytes / (self.bandwidth_gbs * 1e9) + 2 * (n - 1) * self.latency_us * 1e-6
+        return 2 * (n - 1) / n * n_bytes / (self.bandwidth_gbs * 1e9) + calls * 2 * (n - 1) * self.latency_us * 1e-6
 
 
 DEFAULT_LINKS = {

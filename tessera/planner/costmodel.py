@@ -263,8 +263,7 @@ def replica_sync_s(costs: ModelCosts, link: Link, replicas: int) -> float:
     """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica), in
     flat buckets of ``BUCKET_BYTES`` one after the other, each paying the ring's latency."""
     grads = 4 * costs.stage_params(0, costs.n_layers)
-    buckets = math.ceil(grads / BUCKET_BYTES)
-    return link.all_reduce_s(grads, replicas) + (buckets - 1) * 2 * (replicas - 1) * link.latency_us * 1e-6
+    return link.all_reduce_s(grads, replicas, calls=math.ceil(grads / BUCKET_BYTES))
 
 
 def replica_optimizer_s(view: Layout, costs: ModelCosts) -> float:

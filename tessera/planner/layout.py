@@ -120,8 +120,9 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
     for (first, end), unit in zip(layout.stages, replica.units):
         compute = costs.stage_forward_s(first, end, b, unit.peak_tflops) / layout.tp
         tp_comm = 2 * (end - first) * unit.tp_link.all_reduce_s(hidden_bytes, layout.tp)
-        f = compute + tp_comm + wrapper_s(layout, costs, first, end, unit.peak_tflops)
-        bwd = costs.backward_ratio * compute + tp_comm + wrapper_s(layout, costs, first, end, unit.peak_tflops)
+        wrappers = wrapper_s(layout, costs, first, end, unit.peak_tflops)
+        f = compute + tp_comm + wrappers
+        bwd = costs.backward_ratio * compute + tp_comm + wrappers
         if layout.recompute == "full":
             bwd += f
         forward.append(f)
@@ -167,12 +168,12 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
         half_volume = (dp - 1) / dp * grad_bytes / (link.bandwidth_gbs * 1e9)
         units = end - first + 1
         return uses * (half_volume + units * (dp - 1) * link.latency_us * 1e-6)
-    seconds = link.all_reduce_s(grad_bytes, dp)
-    # One all-reduce per bucket, one after the other, each paying the ring's latency: DDP's buckets
-    # (tensor parallel: replicate's unit per block) without a pipeline; one flat one under a pipeline.
+    # One all-reduce per bucket: DDP's buckets (tensor parallel: replicate's unit per block) without a
+    # pipeline; one flat one under a pipeline.
+    calls = 1
     if layout.pp == 1:
         calls = end - first + 1 if layout.tp > 1 else math.ceil(grad_bytes / BUCKET_BYTES)
-        seconds += (calls - 1) * 2 * (dp - 1) * link.latency_us * 1e-6
+    seconds = link.all_reduce_s(grad_bytes, dp, calls)
     if layout.zero == 1:
         # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces:
         # an all-gather's volume, and a collective's latency per parameter tensor.

@@ -33,7 +33,7 @@ of what the runtime does, op by op:
   the copies both ways, when offloaded), after the stage's gradients are in.
 
 The events it returns draw the timeline in ``tessera plan``'s picture; ``comm_s`` is how long
-each link class carried bytes and ``exposed_comm_s`` how much of the step waited on them.
+each kind of transfer (data parallel, pipeline, tensor parallel) was moving bytes.
 
 Example:
     >>> sim = simulate(layout, costs)
@@ -180,7 +180,6 @@ class _Engine:
             now, kind, i, version = heapq.heappop(heap)
             if kind == 2 and (i not in flows or flows[i][3] != version):
                 continue  # superseded by a re-rate
-            candidates: list[int] = []
             if kind == 1 and tasks[i].volume > 0:
                 for c in tasks[i].channels:
                     on_channel.setdefault(c, set()).add(i)
