@@ -43,8 +43,14 @@ TYPES = {
 }
 
 
-def cluster_spec(link_mbit: float) -> dict:
+def cluster_spec(link_mbit: float, slow_pair_mbit: float = 0.0) -> dict:
+    """The testbed's cluster file: every pair of nodes joined at ``link_mbit``, or b and c at
+    ``slow_pair_mbit`` when it is given (a ring of all four ranks, and a pipeline's b → c
+    transfer, then cross one slow link)."""
     link = {"bandwidth_gbs": link_mbit / 8e3, "latency_us": 100}
+    links: dict[str, Any] = {"inter_node": link, "inter_region": link}
+    if slow_pair_mbit:
+        links["between"] = [{"nodes": ["b", "c"], "bandwidth_gbs": slow_pair_mbit / 8e3, "latency_us": 100}]
     return {
         "nodes": [
             {"name": "a", "devices": [{"type": "full", "count": 2}]},
@@ -52,7 +58,7 @@ def cluster_spec(link_mbit: float) -> dict:
             {"name": "c", "devices": [{"type": "quarter", "count": 1}]},
         ],
         "device_types": TYPES,
-        "links": {"inter_node": link, "inter_region": link},
+        "links": links,
     }
 
 
@@ -106,7 +112,9 @@ class ProfiledTestbed:
     costs: Any  # the measured ModelCosts
 
 
-def profile_testbed(prefix: str, link_mbit: float, cpus: float, steps: int) -> ProfiledTestbed:
+def profile_testbed(
+    prefix: str, link_mbit: float, cpus: float, steps: int, slow_pair_mbit: float = 0.0
+) -> ProfiledTestbed:
     """Write the testbed's cluster and model files, run `tessera cluster profile --testbed` on them and
     read the measured cluster and costs the planner and the predictors use."""
     import torch
@@ -118,7 +126,7 @@ def profile_testbed(prefix: str, link_mbit: float, cpus: float, steps: int) -> P
     from tessera.train.config import load_config
 
     work = Path(tempfile.mkdtemp(prefix=prefix))
-    spec = cluster_spec(link_mbit)
+    spec = cluster_spec(link_mbit, slow_pair_mbit)
     cluster_file = work / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(spec))
     model_file = work / "model.yaml"

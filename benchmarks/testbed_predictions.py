@@ -3,7 +3,8 @@
 The testbed is the one of ``benchmarks/testbed_cluster.py``: four ranks in CPU cgroups with
 quotas 1 : 1 : ½ : ¼ (nodes a, a, b, c), each node a network namespace, links between nodes
 shaped with ``tc tbf`` (``--link-mbit``, 200 Mbit/s by default so that communication is a real
-share of the step). Nothing is paced by the planner's numbers.
+share of the step; ``--slow-link-mbit``, 50 by default, between b and c, which a ring of all four
+ranks and a pipeline's b → c transfer cross). Nothing is paced by the planner's numbers.
 
 1. ``tessera cluster profile --testbed`` measures every device on the model's own blocks and
    every link; both predictors read that live profile and nothing else they share.
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--cpus", type=float, default=1.65)
     ap.add_argument("--link-mbit", type=float, default=200.0)
+    ap.add_argument("--slow-link-mbit", type=float, default=50.0, help="the link between nodes b and c")
     ap.add_argument("--only", nargs="*", help="run only these layouts (names as in LAYOUTS)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -105,7 +107,7 @@ def main() -> None:
     from tessera.train.config import PlanConfig, plan_from_config
 
     layouts = {k: v for k, v in LAYOUTS.items() if not args.only or k in args.only}
-    bed = profile_testbed("testbed-predictions-", args.link_mbit, args.cpus, args.steps)
+    bed = profile_testbed("testbed-predictions-", args.link_mbit, args.cpus, args.steps, args.slow_link_mbit)
     work, cluster_file, live, cluster, costs = bed.work, bed.cluster_file, bed.live, bed.cluster, bed.costs
 
     measured: dict[str, list[dict]] = {name: [] for name in layouts}
@@ -154,6 +156,7 @@ def main() -> None:
         out = {
             "cpus": args.cpus,
             "link_mbit": args.link_mbit,
+            "slow_link_mbit": args.slow_link_mbit,
             "steps": args.steps,
             "reps": args.reps,
             "live_profile": json.loads(live.to_json()),

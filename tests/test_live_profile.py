@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from parity import build_model
 
 from tessera.cluster.spec import Cluster
@@ -141,22 +142,24 @@ def test_a_slow_device_that_costs_more_than_it_gives_is_left_out(live: LiveProfi
 
 
 def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfile) -> None:
-    """The fastest rank's measured FSDP and tensor-parallel overheads reach the costs; the cost model
-    adds them per unit (blocks and root) under ZeRO-2/3 and per block under tp, scaled by speed, and
-    the simulator charges the same passes."""
+    """The fastest rank's measured FSDP overhead reaches the costs; the cost model adds it per unit
+    (blocks and root) under ZeRO-2/3, and tensor parallelism's per block (per call and per sample),
+    scaled by speed, and the simulator charges the same passes."""
     from dataclasses import replace
 
     from tessera.plan import Plan
     from tessera.planner.layout import layout_from_plan, op_times
     from tessera.planner.simulate import simulate
 
-    ranks = [replace(r, fsdp_unit_s=1e-3 * (1 + i), tp_block_s=4e-3 * (1 + i)) for i, r in enumerate(live.ranks)]
+    ranks = [replace(r, fsdp_unit_s=1e-3 * (1 + i)) for i, r in enumerate(live.ranks)]
     costs = measured_costs(replace(live, ranks=ranks), ModelCosts.from_model(build_model("llama:4"), 16))
-    assert (costs.fsdp_unit_s, costs.tp_block_s) == (1e-3, 4e-3)  # rank 0 is the fastest
-    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=0.0)
+    assert costs.fsdp_unit_s == 1e-3  # rank 0 is the fastest
+    costs = replace(costs, tp_block_s=4e-3, tp_sample_s=5e-4)
+    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=0.0, tp_sample_s=0.0)
     one_node = Cluster.from_dict({"nodes": [CLUSTER["nodes"][0]], "device_types": CLUSTER["device_types"]})
     cluster = measured_cluster(one_node, replace(live, ranks=ranks[:2], links=live.links[1:]))
-    for plan, extra in ((Plan(zero=3), 5 * 1e-3), (Plan(tp=2), 4 * 4e-3), (Plan(zero=0), 0.0)):
+    # global batch 4: one replica of micro-batch 4 under tp2, two of 2 under ZeRO
+    for plan, extra in ((Plan(zero=3), 5 * 1e-3), (Plan(tp=2), 4 * (4e-3 + 4 * 5e-4)), (Plan(zero=0), 0.0)):
         layout = layout_from_plan(plan, cluster, costs, 4)
         unit = layout.replicas[0].units[0]
         scale = costs.ref_tflops / unit.peak_tflops
@@ -165,3 +168,52 @@ def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfil
         assert with_it.backward[0] - without.backward[0] == pytest.approx(extra * scale)
         gained = simulate(layout, costs).step_s - simulate(layout, bare).step_s
         assert gained == pytest.approx(2 * extra * scale, rel=0.05, abs=1e-9)
+
+
+def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share_and_link(live: LiveProfile) -> None:
+    """A tp pair on node a whose sharded step is half the plain one, plus the link's all-reduces,
+    plus a known extra per block and pass (2 ms + 0.25 ms per sample): the derivation recovers the
+    extra, at the fastest rank's speed; a pair on the slower rank's node is scaled to it."""
+    from dataclasses import replace
+
+    from tessera.cluster.spec import Link
+    from tessera.planner.live_profile import TensorParallelMeasurement, tensor_parallel_overhead
+
+    costs = measured_costs(live, ModelCosts.from_model(build_model("llama:4"), 16))
+    own = next(k for k in live.links if k.nodes == ("a", "a"))
+    link, blocks = Link(own.bandwidth_gbs, own.latency_us), costs.n_layers
+    plain = {2: 0.040, 8: 0.100}
+    sharded = {
+        b: t / 2 + 4 * blocks * link.all_reduce_s(costs.boundary_bytes(b), 2) + 2 * blocks * (2e-3 + 2.5e-4 * b)
+        for b, t in plain.items()
+    }
+    measured = replace(live, tensor_parallel=TensorParallelMeasurement("a", (0, 1), plain, sharded))
+    speed_a = relative_speeds(live)["a"]  # the median of a's two ranks: a little under the fastest's
+    call, per_sample = tensor_parallel_overhead(measured, costs)
+    assert (call, per_sample) == pytest.approx((2e-3 * speed_a, 2.5e-4 * speed_a), rel=1e-6)
+    assert measured_costs(measured, ModelCosts.from_model(build_model("llama:4"), 16)).tp_sample_s == per_sample
+    assert tensor_parallel_overhead(live, costs) == (0.0, 0.0)  # nothing measured, nothing added
+
+
+def tensor_parallel_pair_worker() -> object:
+    import torch.distributed as dist
+
+    from tessera.planner.live_profile import measure_tensor_parallel
+
+    group = dist.new_group([0, 1])
+    return measure_tensor_parallel(build_model("llama:4"), 16, torch.device("cpu"), "a", (0, 1), group,
+                                   batch_sizes=(1, 3), repeats=1, window_s=0.0)  # fmt: skip
+
+
+def test_a_tensor_parallel_pair_is_timed_plain_and_sharded_together(live: LiveProfile, tmp_path: Path) -> None:
+    """Both members of a real 2-rank group time the same sizes (a member running more collectives than
+    the other would hang), and the profile's JSON keeps the measurement."""
+    from dataclasses import replace
+
+    from parity import run_shared
+
+    for m in run_shared(2, {"pair": (tensor_parallel_pair_worker, ())})["pair"]:
+        assert (m.node, m.ranks) == ("a", (0, 1)) and set(m.plain_s) == set(m.sharded_s) == {1, 3}
+        assert all(t > 0 for t in (*m.plain_s.values(), *m.sharded_s.values())), m
+    kept = replace(live, tensor_parallel=m)
+    assert LiveProfile.load(kept.save(tmp_path / "live.json")) == kept

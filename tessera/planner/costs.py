@@ -64,7 +64,10 @@ class ModelCosts:
     shared_params: int = 0  # the last part's parameters that are the first's (a tied head): one copy on one stage
     # Seconds the runtime's wrappers add on the reference device (measured by a live profile; 0: unknown):
     fsdp_unit_s: float = 0.0  # per FSDP unit (a block, or the root) and pass
-    tp_block_s: float = 0.0  # tensor parallelism's dispatch, per block and pass
+    # What a tensor-parallel block adds per pass beyond its share of compute and its all-reduces on the link
+    # (dispatch, smaller matmuls, waits at blocking collectives): per call, and per sample of the micro-batch.
+    tp_block_s: float = 0.0
+    tp_sample_s: float = 0.0
     # Per-stage sums, memoised: the planner asks for the same stages millions of times.
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -159,7 +162,7 @@ class ModelCosts:
         parts = {}
         for part in PARTS:
             lp = profile.layers[part]
-            call, per_sample = _line(lp.forward_s)
+            call, per_sample = fit_line(lp.forward_s)
             b = max(lp.forward_s)
             parts[part] = PartCost(per_sample, lp.param_bytes // 4, lp.activation_bytes[b] / b, call, lp.param_tensors)
         block = profile.layers["block"]
@@ -175,7 +178,7 @@ class ModelCosts:
         return replace(self, precision=precision, _memo={})
 
 
-def _line(times: dict[int, float]) -> tuple[float, float]:
+def fit_line(times: dict[int, float]) -> tuple[float, float]:
     """Least-squares ``time = call + per_sample × b`` over the profiled micro-batch sizes (both ≥ 0)."""
     sizes = list(times)
     if len(sizes) == 1:

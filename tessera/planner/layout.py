@@ -120,7 +120,7 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
     for (first, end), unit in zip(layout.stages, replica.units):
         compute = costs.stage_forward_s(first, end, b, unit.peak_tflops) / layout.tp
         tp_comm = 2 * (end - first) * unit.tp_link.all_reduce_s(hidden_bytes, layout.tp)
-        wrappers = wrapper_s(layout, costs, first, end, unit.peak_tflops)
+        wrappers = wrapper_s(layout, costs, first, end, unit.peak_tflops, b)
         f = compute + tp_comm + wrappers
         bwd = costs.backward_ratio * compute + tp_comm + wrappers
         if layout.recompute == "full":
@@ -131,13 +131,14 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
     return OpTimes(tuple(forward), tuple(backward), transfer)
 
 
-def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflops: float) -> float:
-    """Seconds per pass that the runtime's wrappers add to a stage holding layers ``[first, end)``:
-    FSDP's hooks and copies per unit (each block and the stage's root) under ZeRO-2/3, DTensor
-    dispatch per block under tensor parallelism; measured by a live profile on the reference
-    device, scaled by speed like compute."""
+def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflops: float, samples: int) -> float:
+    """Seconds per pass that the runtime adds to a stage holding layers ``[first, end)`` at a micro-batch
+    of ``samples``: FSDP's hooks and copies per unit (each block and the stage's root) under ZeRO-2/3,
+    and under tensor parallelism what each block costs beyond its compute share and link all-reduces
+    (:func:`~tessera.planner.live_profile.tensor_parallel_overhead`); measured by a live profile on the
+    reference device, scaled by speed like compute."""
     units = (end - first + 1) * costs.fsdp_unit_s if layout.zero >= 2 else 0.0
-    blocks = (end - first) * costs.tp_block_s if layout.tp > 1 else 0.0
+    blocks = (end - first) * (costs.tp_block_s + costs.tp_sample_s * samples) if layout.tp > 1 else 0.0
     return (units + blocks) * costs.ref_tflops / peak_tflops
 
 

@@ -11,7 +11,10 @@ GPU cluster the same command, on this machine optionally the testbed). Each rank
 and for every pair of nodes one rank of each times ping-pongs (latency) and large transfers
 (bandwidth: the slope between one push and several back to back, so a token bucket's burst and
 the latency cancel) between them, and two ranks of a node do the same for the intra-node link.
-Last, every rank joins a gradient-sized all-reduce and a tiny one. Rank 0 writes the result as JSON.
+The two first ranks of the fastest node with two time the whole model plain and tensor parallel
+between them (:class:`TensorParallelMeasurement`): what a sharded block costs beyond its compute
+share and its all-reduces on the link. Last, every rank joins a gradient-sized all-reduce and a
+tiny one. Rank 0 writes the result as JSON.
 
 The planner then plans from the measurements instead of the cluster file's declared figures:
 :func:`measured_cluster` gives each node a device type whose speed is the node's measured
@@ -44,7 +47,7 @@ from tessera.cluster.catalog import DeviceType
 from tessera.cluster.detect import median_seconds
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
-from tessera.planner.costs import ModelCosts
+from tessera.planner.costs import ModelCosts, fit_line
 from tessera.planner.profile import Profile, profile_model
 
 TRANSFER_BYTES = 2 << 20  # one push of a bandwidth sample
@@ -70,9 +73,9 @@ class RankMeasurement:
     peak_bytes: int
     memory_source: str  # "cuda max allocated" or "process max RSS"
     host_optimizer_gbs: float = 0.0  # the same on this rank's host CPU (where offload would step it)
-    # What the runtime's wrappers add on this device, measured on a one-rank mesh (no communication):
-    fsdp_unit_s: float = 0.0  # per FSDP unit (a block, or the root) and pass (a forward or a backward)
-    tp_block_s: float = 0.0  # tensor parallelism's DTensor dispatch, per block and pass
+    # What FSDP's hooks and copies add on this device, per unit (a block, or the root) and pass (a
+    # forward or a backward), measured on a one-rank mesh (no communication):
+    fsdp_unit_s: float = 0.0
 
     def block_s(self) -> float:
         """Forward plus backward of one block, summed over the profiled micro-batch sizes (one size's
@@ -92,6 +95,21 @@ class LinkMeasurement:
 
 
 @dataclass
+class TensorParallelMeasurement:
+    """The whole model's forward and backward per micro-batch size, plain on one rank and tensor
+    parallel over ``ranks`` (two ranks of ``node``, the fastest node with two), timed together.
+
+    What a tp block costs beyond its share of the compute and the all-reduces the link model
+    prices (DTensor dispatch, smaller and slower matmuls, waiting for the partner at every
+    blocking all-reduce) is derived from these by :func:`tensor_parallel_overhead`."""
+
+    node: str
+    ranks: tuple[int, ...]
+    plain_s: dict[int, float]  # micro-batch size -> seconds, the unsharded model on one rank
+    sharded_s: dict[int, float]  # the same, sharded over ``ranks``
+
+
+@dataclass
 class LiveProfile:
     """Everything one ``tessera cluster profile`` job measured."""
 
@@ -103,6 +121,7 @@ class LiveProfile:
     links: list[LinkMeasurement] = field(default_factory=list)
     collective_latency_us: float = 0.0  # one tiny all-reduce over every rank
     all_reduce_gbs: float = 0.0  # bus bandwidth of a gradient-sized all-reduce over every rank
+    tensor_parallel: TensorParallelMeasurement | None = None  # None: no node has two ranks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -121,11 +140,18 @@ class LiveProfile:
             links = [
                 LinkMeasurement(**{**k, "nodes": tuple(k["nodes"]), "ranks": tuple(k["ranks"])}) for k in data["links"]
             ]
+            if (tp := data.get("tensor_parallel")) is not None:
+                tp = TensorParallelMeasurement(
+                    tp["node"],
+                    tuple(tp["ranks"]),
+                    {int(b): t for b, t in tp["plain_s"].items()},
+                    {int(b): t for b, t in tp["sharded_s"].items()},
+                )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise PlanError(
                 f"{path} is not a live profile ({type(exc).__name__}: {exc}): write one with `tessera cluster profile`."
             ) from None
-        return cls(**{**data, "ranks": ranks, "links": links})
+        return cls(**{**data, "ranks": ranks, "links": links, "tensor_parallel": tp})
 
 
 # ------------------------------------------------------------------------ measuring (every rank)
@@ -154,53 +180,98 @@ def measure_rank(
     )
 
 
-def measure_wrapper_overheads(
+def _step_seconds(model: nn.Module, tokens: torch.Tensor, repeats: int, window_s: float, agree: Any = None) -> float:
+    """Median seconds of one forward and backward of ``model`` on ``tokens``."""
+
+    def step() -> None:
+        model(tokens).float().mean().backward()
+
+    seconds = median_seconds(step, repeats, window_s, agree=agree)
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def measure_fsdp_overhead(
     model: nn.Module,
     seq_len: int,
     device: torch.device,
     alone: dist.ProcessGroup,
     repeats: int = REPEATS,
     window_s: float = WINDOW_S,
-) -> tuple[float, float]:
-    """(seconds per FSDP unit and pass, seconds of tensor-parallel dispatch per block and pass) on
-    this rank's device: a forward and backward of the whole model at micro-batch 1, plain, under
-    ``fully_shard`` (a unit per block and the root) and under the policy's tensor-parallel plan,
-    each on ``alone`` (a one-rank group: hooks, copies and DTensor dispatch, but no transfer; the
-    cost model and simulator add transfers from the links). A throttled CPU pays these in full;
-    profiling bare blocks missed them, and ZeRO-2 and tp2 were predicted 45% and 61% too fast.
+) -> float:
+    """Seconds per FSDP unit and pass on this rank's device: a forward and backward of the whole
+    model at micro-batch 1, plain and under ``fully_shard`` (a unit per block and the root) on
+    ``alone`` (a one-rank group: hooks and copies, but no transfer; the predictors add transfers
+    from the links). A throttled CPU pays these in full; profiling bare blocks missed them, and
+    ZeRO-2 was predicted 45% too fast.
     """
     import copy
 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from tessera.models.policies import policy_for
     from tessera.parallel.data_parallel import repeated_blocks
-    from tessera.parallel.tensor import apply_tensor_parallel
 
     mesh = DeviceMesh.from_group(alone, device.type)
-    policy = policy_for(model, "the profiler")
     n_blocks = len(repeated_blocks(model))
     tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
-
-    def step_s(m: nn.Module) -> float:
-        def step() -> None:
-            m(tokens).float().mean().backward()
-
-        seconds = median_seconds(step, repeats, window_s)
-        m.zero_grad(set_to_none=True)
-        return seconds
-
-    plain = step_s(model)
+    plain = _step_seconds(model, tokens, repeats, window_s)
     sharded = copy.deepcopy(model)
     for block in repeated_blocks(sharded):
         fully_shard(block, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    fsdp = max(step_s(sharded) - plain, 0.0) / (2 * (n_blocks + 1))
-    del sharded
-    tensor_parallel = apply_tensor_parallel(copy.deepcopy(model), model, policy, mesh)
-    tp = max(step_s(tensor_parallel) - plain, 0.0) / (2 * n_blocks)
-    return fsdp, tp
+    return max(_step_seconds(sharded, tokens, repeats, window_s) - plain, 0.0) / (2 * (n_blocks + 1))
+
+
+def tensor_parallel_pair(live_ranks: list[tuple[str, float]]) -> tuple[str, tuple[int, int]] | None:
+    """The node whose two first ranks time tensor parallelism: the fastest (median block seconds) of
+    the nodes with two ranks or more; ``live_ranks`` is (node, block seconds) per rank. None: no such node."""
+    by_node: dict[str, list[int]] = {}
+    for rank, (node, _) in enumerate(live_ranks):
+        by_node.setdefault(node, []).append(rank)
+    pairs = {node: ranks for node, ranks in by_node.items() if len(ranks) >= 2}
+    if not pairs:
+        return None
+    node = min(pairs, key=lambda n: statistics.median(live_ranks[r][1] for r in pairs[n]))
+    return node, (pairs[node][0], pairs[node][1])
+
+
+def measure_tensor_parallel(
+    model: nn.Module,
+    seq_len: int,
+    device: torch.device,
+    node: str,
+    ranks: tuple[int, ...],
+    group: dist.ProcessGroup,
+    batch_sizes: tuple[int, ...] = (2, 8),
+    repeats: int = REPEATS,
+    window_s: float = WINDOW_S,
+) -> TensorParallelMeasurement:
+    """Time the whole model's forward and backward, plain and sharded by the policy's tensor-parallel
+    plan over ``group`` (``ranks``), at each micro-batch size. Only the members call this."""
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tessera.models.policies import policy_for
+    from tessera.parallel.tensor import apply_tensor_parallel
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    sharded = apply_tensor_parallel(copy.deepcopy(model), model, policy_for(model, "the profiler"), mesh)
+
+    def largest(calls: int) -> int:  # both members must run the same number of collectives
+        count = torch.tensor([calls], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        return int(count.item())
+
+    plain, split = {}, {}
+    for b in batch_sizes:
+        torch.manual_seed(b)  # the same tokens on both members, as tensor parallelism requires
+        tokens = torch.randint(0, model.config.vocab_size, (b, seq_len), device=device)
+        plain[b] = _step_seconds(model, tokens, repeats, window_s)
+        dist.barrier(group=group)
+        split[b] = _step_seconds(sharded, tokens, repeats, window_s, agree=largest)
+    return TensorParallelMeasurement(node, tuple(ranks), plain, split)
 
 
 def _optimizer_gbs(model: nn.Module, device: torch.device, repeats: int = 3) -> float:
@@ -377,12 +448,43 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
         )
     fastest = min(live.ranks, key=lambda r: r.block_s())
     costs = ModelCosts.from_profile(fastest.profile, 1.0, analytic.hidden, live.precision)
+    tp_call, tp_sample = tensor_parallel_overhead(live, costs)
     return replace(
         costs,
         fsdp_unit_s=fastest.fsdp_unit_s,
-        tp_block_s=fastest.tp_block_s,
+        tp_block_s=tp_call,
+        tp_sample_s=tp_sample,
         name=analytic.name,
         heads=analytic.heads,
         shared_params=analytic.shared_params,
         source=f"live profile ({live.where}; fastest: rank {fastest.rank} on {fastest.node})",
     )
+
+
+def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[float, float]:
+    """(seconds per call, seconds per sample) that a tensor-parallel block adds per pass, at the
+    fastest rank's speed, beyond what both predictors already count: its 1/tp share of the compute
+    and two ring all-reduces of the hidden states priced by the node's measured link.
+
+    From :class:`TensorParallelMeasurement`: per micro-batch size ``b``, (sharded − plain / tp −
+    the link's all-reduces) / (2 passes × blocks), fitted to a line in ``b``. It holds DTensor's
+    dispatch, the smaller matmuls' lower speed and the waits at blocking all-reduces (on the
+    testbed, for a partner throttled by its CPU quota), which an idle ping-pong does not see.
+    (0, 0) when the profile has no tensor-parallel measurement."""
+    m = live.tensor_parallel
+    if m is None:
+        return 0.0, 0.0
+    own = [k for k in live.links if k.nodes == (m.node, m.node)]
+    if not own:
+        raise PlanError(
+            f"the live profile timed tensor parallelism on node {m.node!r} but not the link inside it: profile again "
+            "with `tessera cluster profile`."
+        )
+    link, tp, blocks = Link(own[0].bandwidth_gbs, own[0].latency_us), len(m.ranks), costs.n_layers
+    residual = {}
+    for b, plain in m.plain_s.items():
+        comm = 2 * 2 * blocks * link.all_reduce_s(costs.boundary_bytes(b), tp)
+        residual[b] = max(m.sharded_s[b] - plain / tp - comm, 0.0) / (2 * blocks)
+    call, per_sample = fit_line(residual)
+    speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest rank's
+    return call * speed, per_sample * speed

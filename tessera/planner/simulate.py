@@ -344,7 +344,7 @@ class _Step:
             seconds = ratio * self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
             if not forward and layout.recompute == "full" and part.name == "block":
                 seconds += self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
-            seconds += self._wrappers_s(part, k == 0, peak)
+            seconds += self._wrappers_s(part, k == 0, peak, spec.micro_batch)
             computes.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds))
             last = computes[-1]
             if layout.tp > 1 and part.name == "block":
@@ -357,15 +357,16 @@ class _Step:
         self.e.tasks[last].label = (*label, "end")  # type: ignore[index]
         return last  # type: ignore[return-value]
 
-    def _wrappers_s(self, part: _Part, first_in_pass: bool, peak: float) -> float:
-        """What FSDP's hooks (per unit: each block, and the root once per pass) and DTensor dispatch (per
-        block) add to one part's pass, as the live profile measured them, scaled by speed."""
+    def _wrappers_s(self, part: _Part, first_in_pass: bool, peak: float, samples: int) -> float:
+        """What FSDP's hooks (per unit: each block, and the root once per pass) and tensor parallelism
+        (per block, beyond compute and link all-reduces) add to one part's pass, as the live profile
+        measured them, scaled by speed."""
         layout, costs = self.layout, self.costs
         seconds = 0.0
         if layout.zero >= 2 and (part.name == "block" or first_in_pass):
             seconds += costs.fsdp_unit_s * ((part.name == "block") + first_in_pass)
         if layout.tp > 1 and part.name == "block":
-            seconds += costs.tp_block_s
+            seconds += costs.tp_block_s + costs.tp_sample_s * samples
         return seconds * costs.ref_tflops / peak
 
     def _reduce(self, r: int, s: int, part: _Part, done: int, bucket: dict, is_last: bool) -> None:

@@ -29,9 +29,11 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         LiveProfile,
         all_reduce_gbs,
         collective_latency_us,
+        measure_fsdp_overhead,
         measure_links,
         measure_rank,
-        measure_wrapper_overheads,
+        measure_tensor_parallel,
+        tensor_parallel_pair,
     )
     from tessera.planner.profile import model_key
     from tessera.testbed.seat import current_seat, verify_seat
@@ -51,18 +53,39 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     timing: dict[str, Any] = QUICK if quick else {}
     mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device, **timing)
     singletons = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
-    mine.fsdp_unit_s, mine.tp_block_s = measure_wrapper_overheads(
-        model, cfg.data.seq_len, device, singletons[rank], **timing
-    )
+    mine.fsdp_unit_s = measure_fsdp_overhead(model, cfg.data.seq_len, device, singletons[rank], **timing)
+    speeds: list[Any] = [None] * world
+    dist.all_gather_object(speeds, (mine.node, mine.block_s()))
+    tensor_parallel = None
+    if _can_split_in_two(model) and (pair := tensor_parallel_pair(speeds)) is not None:
+        node, members = pair
+        group = dist.new_group(list(members))
+        if rank in members:
+            tensor_parallel = measure_tensor_parallel(model, cfg.data.seq_len, device, node, members, group, **timing)
+        dist.barrier()
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, (mine, tensor_parallel))
     if rank == 0:
         where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
-        live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, gathered, links, latency, bus)
+        tp = next((t for _, t in gathered if t is not None), None)
+        ranks = [r for r, _ in gathered]
+        live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, ranks, links, latency, bus, tp)
         print(f"wrote {live.save(out)}", flush=True)
     shutdown()
+
+
+def _can_split_in_two(model: Any) -> bool:
+    """Whether tensor parallelism over two ranks applies to ``model`` (else the profile times none)."""
+    from tessera.errors import PlanError
+    from tessera.models.policies import policy_for
+
+    try:
+        policy_for(model, "the profiler").check_tp(model, 2)
+    except PlanError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
