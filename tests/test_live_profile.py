@@ -143,8 +143,8 @@ def test_a_slow_device_that_costs_more_than_it_gives_is_left_out(live: LiveProfi
 
 def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfile) -> None:
     """The fastest rank's measured FSDP overhead reaches the costs; the cost model adds it per unit
-    (blocks and root) under ZeRO-2/3, and tensor parallelism's per block (per call and per sample),
-    scaled by speed, and the simulator charges the same passes."""
+    (blocks and root) under ZeRO-2/3, and tensor parallelism's per block (at the micro-batch size,
+    between the measured ones), scaled by speed, and the simulator charges the same passes."""
     from dataclasses import replace
 
     from tessera.plan import Plan
@@ -154,12 +154,12 @@ def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfil
     ranks = [replace(r, fsdp_unit_s=1e-3 * (1 + i)) for i, r in enumerate(live.ranks)]
     costs = measured_costs(replace(live, ranks=ranks), ModelCosts.from_model(build_model("llama:4"), 16))
     assert costs.fsdp_unit_s == 1e-3  # rank 0 is the fastest
-    costs = replace(costs, tp_block_s=4e-3, tp_sample_s=5e-4)
-    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=0.0, tp_sample_s=0.0)
+    costs = replace(costs, tp_block_s=((2, 4e-3), (8, 7e-3)))  # at micro-batch 4: 5 ms per block and pass
+    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=())
     one_node = Cluster.from_dict({"nodes": [CLUSTER["nodes"][0]], "device_types": CLUSTER["device_types"]})
     cluster = measured_cluster(one_node, replace(live, ranks=ranks[:2], links=live.links[1:]))
     # global batch 4: one replica of micro-batch 4 under tp2, two of 2 under ZeRO
-    for plan, extra in ((Plan(zero=3), 5 * 1e-3), (Plan(tp=2), 4 * (4e-3 + 4 * 5e-4)), (Plan(zero=0), 0.0)):
+    for plan, extra in ((Plan(zero=3), 5 * 1e-3), (Plan(tp=2), 4 * 5e-3), (Plan(zero=0), 0.0)):
         layout = layout_from_plan(plan, cluster, costs, 4)
         unit = layout.replicas[0].units[0]
         scale = costs.ref_tflops / unit.peak_tflops
@@ -172,27 +172,32 @@ def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfil
 
 def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share_and_link(live: LiveProfile) -> None:
     """A tp pair on node a whose sharded step is half the plain one, plus the link's all-reduces,
-    plus a known extra per block and pass (2 ms + 0.25 ms per sample): the derivation recovers the
-    extra, at the fastest rank's speed; a pair on the slower rank's node is scaled to it."""
+    plus a known extra per block and pass at each size: the derivation recovers the extras, at the
+    fastest rank's speed, and the costs read them between and beyond the measured sizes."""
     from dataclasses import replace
 
     from tessera.cluster.spec import Link
     from tessera.planner.live_profile import TensorParallelMeasurement, tensor_parallel_overhead
 
-    costs = measured_costs(live, ModelCosts.from_model(build_model("llama:4"), 16))
+    analytic = ModelCosts.from_model(build_model("llama:4"), 16)
+    costs = measured_costs(live, analytic)
     own = next(k for k in live.links if k.nodes == ("a", "a"))
     link, blocks = Link(own.bandwidth_gbs, own.latency_us), costs.n_layers
-    plain = {2: 0.040, 8: 0.100}
+    plain, extra = {2: 0.040, 8: 0.100, 32: 0.300}, {2: 2e-3, 8: 5e-3, 32: 6e-3}
     sharded = {
-        b: t / 2 + 4 * blocks * link.all_reduce_s(costs.boundary_bytes(b), 2) + 2 * blocks * (2e-3 + 2.5e-4 * b)
+        b: t / 2 + 4 * blocks * link.all_reduce_s(costs.boundary_bytes(b), 2) + 2 * blocks * extra[b]
         for b, t in plain.items()
     }
     measured = replace(live, tensor_parallel=TensorParallelMeasurement("a", (0, 1), plain, sharded))
     speed_a = relative_speeds(live)["a"]  # the median of a's two ranks: a little under the fastest's
-    call, per_sample = tensor_parallel_overhead(measured, costs)
-    assert (call, per_sample) == pytest.approx((2e-3 * speed_a, 2.5e-4 * speed_a), rel=1e-6)
-    assert measured_costs(measured, ModelCosts.from_model(build_model("llama:4"), 16)).tp_sample_s == per_sample
-    assert tensor_parallel_overhead(live, costs) == (0.0, 0.0)  # nothing measured, nothing added
+    points = tensor_parallel_overhead(measured, costs)
+    assert [b for b, _ in points] == [2, 8, 32]
+    assert [t for _, t in points] == pytest.approx([extra[b] * speed_a for b in (2, 8, 32)], rel=1e-6)
+    read = measured_costs(measured, analytic)
+    assert read.tp_block_at(5) == pytest.approx(3.5e-3 * speed_a)  # halfway between 2 and 8
+    assert (read.tp_block_at(1), read.tp_block_at(64)) == pytest.approx((2e-3 * speed_a, 6e-3 * speed_a))
+    assert tensor_parallel_overhead(live, costs) == ()  # nothing measured, nothing added
+    assert costs.tp_block_at(8) == 0.0
 
 
 def tensor_parallel_pair_worker() -> object:

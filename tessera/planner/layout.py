@@ -138,7 +138,7 @@ def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflo
     (:func:`~tessera.planner.live_profile.tensor_parallel_overhead`); measured by a live profile on the
     reference device, scaled by speed like compute."""
     units = (end - first + 1) * costs.fsdp_unit_s if layout.zero >= 2 else 0.0
-    blocks = (end - first) * (costs.tp_block_s + costs.tp_sample_s * samples) if layout.tp > 1 else 0.0
+    blocks = (end - first) * costs.tp_block_at(samples) if layout.tp > 1 else 0.0
     return (units + blocks) * costs.ref_tflops / peak_tflops
 
 

@@ -47,7 +47,7 @@ from tessera.cluster.catalog import DeviceType
 from tessera.cluster.detect import median_seconds
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
-from tessera.planner.costs import ModelCosts, fit_line
+from tessera.planner.costs import ModelCosts
 from tessera.planner.profile import Profile, profile_model
 
 TRANSFER_BYTES = 2 << 20  # one push of a bandwidth sample
@@ -448,12 +448,10 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
         )
     fastest = min(live.ranks, key=lambda r: r.block_s())
     costs = ModelCosts.from_profile(fastest.profile, 1.0, analytic.hidden, live.precision)
-    tp_call, tp_sample = tensor_parallel_overhead(live, costs)
     return replace(
         costs,
         fsdp_unit_s=fastest.fsdp_unit_s,
-        tp_block_s=tp_call,
-        tp_sample_s=tp_sample,
+        tp_block_s=tensor_parallel_overhead(live, costs),
         name=analytic.name,
         heads=analytic.heads,
         shared_params=analytic.shared_params,
@@ -461,19 +459,20 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
     )
 
 
-def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[float, float]:
-    """(seconds per call, seconds per sample) that a tensor-parallel block adds per pass, at the
-    fastest rank's speed, beyond what both predictors already count: its 1/tp share of the compute
-    and two ring all-reduces of the hidden states priced by the node's measured link.
+def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[tuple[int, float], ...]:
+    """((micro-batch size, seconds), ...): what a tensor-parallel block costs per pass at each measured
+    size, at the fastest rank's speed, beyond what both predictors already count: its 1/tp share of
+    the compute and two ring all-reduces of the hidden states priced by the node's measured link.
 
-    From :class:`TensorParallelMeasurement`: per micro-batch size ``b``, (sharded − plain / tp −
-    the link's all-reduces) / (2 passes × blocks), fitted to a line in ``b``. It holds DTensor's
-    dispatch, the smaller matmuls' lower speed and the waits at blocking all-reduces (on the
-    testbed, for a partner throttled by its CPU quota), which an idle ping-pong does not see.
-    (0, 0) when the profile has no tensor-parallel measurement."""
+    From :class:`TensorParallelMeasurement`: (sharded − plain / tp − the link's all-reduces) /
+    (2 passes × blocks). It holds DTensor's dispatch, the smaller matmuls' lower speed and the waits
+    at blocking all-reduces (on the testbed, for a partner throttled by its CPU quota), which an idle
+    ping-pong does not see. Measured on the testbed it grows with the micro-batch at first and then
+    levels off, so it is kept per size (:meth:`ModelCosts.tp_block_at` interpolates), not as a line.
+    Empty when the profile has no tensor-parallel measurement."""
     m = live.tensor_parallel
     if m is None:
-        return 0.0, 0.0
+        return ()
     own = [k for k in live.links if k.nodes == (m.node, m.node)]
     if not own:
         raise PlanError(
@@ -481,10 +480,9 @@ def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[floa
             "with `tessera cluster profile`."
         )
     link, tp, blocks = Link(own[0].bandwidth_gbs, own[0].latency_us), len(m.ranks), costs.n_layers
-    residual = {}
-    for b, plain in m.plain_s.items():
-        comm = 2 * 2 * blocks * link.all_reduce_s(costs.boundary_bytes(b), tp)
-        residual[b] = max(m.sharded_s[b] - plain / tp - comm, 0.0) / (2 * blocks)
-    call, per_sample = fit_line(residual)
     speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest rank's
-    return call * speed, per_sample * speed
+    points = []
+    for b, plain in sorted(m.plain_s.items()):
+        comm = 2 * 2 * blocks * link.all_reduce_s(costs.boundary_bytes(b), tp)
+        points.append((b, speed * max(m.sharded_s[b] - plain / tp - comm, 0.0) / (2 * blocks)))
+    return tuple(points)

@@ -366,7 +366,7 @@ class _Step:
         if layout.zero >= 2 and (part.name == "block" or first_in_pass):
             seconds += costs.fsdp_unit_s * ((part.name == "block") + first_in_pass)
         if layout.tp > 1 and part.name == "block":
-            seconds += costs.tp_block_s + costs.tp_sample_s * samples
+            seconds += costs.tp_block_at(samples)
         return seconds * costs.ref_tflops / peak
 
     def _reduce(self, r: int, s: int, part: _Part, done: int, bucket: dict, is_last: bool) -> None:

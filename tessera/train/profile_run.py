@@ -16,6 +16,7 @@ from typing import Any
 from tessera.train.failures import EXIT_OK, Reporter
 
 QUICK = {"repeats": 3, "window_s": 0.05}  # --quick: a smoke check's timings, not a planning profile
+TP_SIZES = (2, 8, 32)  # micro-batch sizes tensor parallelism is timed at (at most the global batch)
 
 
 def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> None:
@@ -61,7 +62,10 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         node, members = pair
         group = dist.new_group(list(members))
         if rank in members:
-            tensor_parallel = measure_tensor_parallel(model, cfg.data.seq_len, device, node, members, group, **timing)
+            sizes = tuple(sorted({min(b, cfg.train.global_batch_size) for b in TP_SIZES}))
+            tensor_parallel = measure_tensor_parallel(
+                model, cfg.data.seq_len, device, node, members, group, sizes, **timing
+            )
         dist.barrier()
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
