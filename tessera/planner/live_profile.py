@@ -18,9 +18,9 @@ tiny one. Rank 0 writes the result as JSON.
 
 The planner then plans from the measurements instead of the cluster file's declared figures:
 :func:`measured_cluster` gives each node a device type whose speed is the node's measured
-block time relative to the fastest rank's, whose memory speed is the measured optimizer
+block time relative to the fastest node's, whose memory speed is the measured optimizer
 speed, and links with the measured bandwidth and latency; :func:`measured_costs` gives
-per-part costs from the fastest rank's own profile.
+per-part costs from the fastest node's own profiles (their median).
 
 Example:
     >>> live = LiveProfile.load("cluster-profile.json")
@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import resource
 import statistics
@@ -205,7 +206,6 @@ def measure_fsdp_overhead(
     from the links). A throttled CPU pays these in full; profiling bare blocks missed them, and
     ZeRO-2 was predicted 45% too fast.
     """
-    import copy
 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -249,7 +249,6 @@ def measure_tensor_parallel(
 ) -> TensorParallelMeasurement:
     """Time the whole model's forward and backward, plain and sharded by the policy's tensor-parallel
     plan over ``group`` (``ranks``), at each micro-batch size. Only the members call this."""
-    import copy
 
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -390,20 +389,43 @@ def _check_matches(cluster: Cluster, live: LiveProfile) -> None:
         )
 
 
-def relative_speeds(live: LiveProfile) -> dict[str, float]:
-    """Each node's speed relative to the fastest rank: its block time (median over its ranks) over the fastest's."""
-    fastest = min(r.block_s() for r in live.ranks)
-    by_node: dict[str, list[float]] = {}
+def _by_node(live: LiveProfile) -> dict[str, list[RankMeasurement]]:
+    out: dict[str, list[RankMeasurement]] = {}
     for r in live.ranks:
-        by_node.setdefault(r.node, []).append(r.block_s())
-    return {node: fastest / statistics.median(times) for node, times in by_node.items()}
+        out.setdefault(r.node, []).append(r)
+    return out
+
+
+def fastest_node(live: LiveProfile) -> str:
+    """The node whose ranks' median block time is the smallest: the reference (speed 1.0). A node's
+    median, not the fastest single rank: picking the smallest of several noisy timings of alike
+    devices would make every cost optimistic."""
+    return min(_by_node(live).items(), key=lambda kv: statistics.median(r.block_s() for r in kv[1]))[0]
+
+
+def relative_speeds(live: LiveProfile) -> dict[str, float]:
+    """Each node's speed relative to the fastest node: the ratio of their ranks' median block times."""
+    medians = {node: statistics.median(r.block_s() for r in ranks) for node, ranks in _by_node(live).items()}
+    fastest = min(medians.values())
+    return {node: fastest / t for node, t in medians.items()}
+
+
+def _median_profile(ranks: list[RankMeasurement]) -> Profile:
+    """One profile whose every time is the median over ``ranks`` (alike devices of one node)."""
+    merged = copy.deepcopy(ranks[0].profile)
+    for name, part in merged.layers.items():
+        for times in ("forward_s", "backward_s"):
+            per_size = getattr(part, times)
+            for b in per_size:
+                per_size[b] = statistics.median(getattr(r.profile.layers[name], times)[b] for r in ranks)
+    return merged
 
 
 def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
     """``cluster`` with every node's speed, memory speed and every measured link replaced by measurements.
 
     A node's device type becomes ``<node> (measured)``: its peak is the node's relative speed
-    (the fastest rank 1.0) for every dtype the declared type has, its memory speed the median
+    (the fastest node 1.0) for every dtype the declared type has, its memory speed the median
     measured optimizer speed (and its host's, for offload: the same CPU when the device is one),
     its memory the declared capacity."""
     _check_matches(cluster, live)
@@ -437,7 +459,8 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
 
 
 def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
-    """Per-part costs from the fastest rank's profile, at speed 1.0 (what :func:`measured_cluster` calls it).
+    """Per-part costs from the fastest node's ranks (the median of their profiles), at speed 1.0 (what
+    :func:`measured_cluster` calls it).
 
     ``analytic`` (:meth:`ModelCosts.from_model` of the same model) gives what timing cannot: the
     head count tensor parallelism must divide and the parameters a tied head shares."""
@@ -446,22 +469,23 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
             f"the live profile was measured at sequence length {live.seq_len}, the model is planned at "
             f"{analytic.seq_len}: profile again with this config."
         )
-    fastest = min(live.ranks, key=lambda r: r.block_s())
-    costs = ModelCosts.from_profile(fastest.profile, 1.0, analytic.hidden, live.precision)
+    node = fastest_node(live)
+    ranks = _by_node(live)[node]
+    costs = ModelCosts.from_profile(_median_profile(ranks), 1.0, analytic.hidden, live.precision)
     return replace(
         costs,
-        fsdp_unit_s=fastest.fsdp_unit_s,
+        fsdp_unit_s=statistics.median(r.fsdp_unit_s for r in ranks),
         tp_block_s=tensor_parallel_overhead(live, costs),
         name=analytic.name,
         heads=analytic.heads,
         shared_params=analytic.shared_params,
-        source=f"live profile ({live.where}; fastest: rank {fastest.rank} on {fastest.node})",
+        source=f"live profile ({live.where}; fastest: node {node}, median of its {len(ranks)} rank(s))",
     )
 
 
 def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[tuple[int, float], ...]:
     """((micro-batch size, seconds), ...): what a tensor-parallel block costs per pass at each measured
-    size, at the fastest rank's speed, beyond what both predictors already count: its 1/tp share of
+    size, at the fastest node's speed, beyond what both predictors already count: its 1/tp share of
     the compute and two ring all-reduces of the hidden states priced by the node's measured link.
 
     From :class:`TensorParallelMeasurement`: (sharded − plain / tp − the link's all-reduces) /
@@ -480,7 +504,7 @@ def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[tupl
             "with `tessera cluster profile`."
         )
     link, tp, blocks = Link(own[0].bandwidth_gbs, own[0].latency_us), len(m.ranks), costs.n_layers
-    speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest rank's
+    speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest node's
     points = []
     for b, plain in sorted(m.plain_s.items()):
         comm = 2 * 2 * blocks * link.all_reduce_s(costs.boundary_bytes(b), tp)
