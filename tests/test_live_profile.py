@@ -202,6 +202,31 @@ def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share
     assert costs.tp_block_at(8) == 0.0
 
 
+def test_the_activations_tp_keeps_whole_come_from_the_pairs_peaks(live: LiveProfile) -> None:
+    """A sharded step allocating 0.7 of the plain one's peak at tp 2 keeps 40% of its activations whole
+    (0.4 + 0.6 / 2); each tp rank's predicted activations follow it, and without a measurement the
+    analytic share (Korthikanti's 10 of 34) stands."""
+    from dataclasses import replace
+
+    from tessera.plan import Plan
+    from tessera.planner.costmodel import device_memory
+    from tessera.planner.layout import layout_from_plan
+    from tessera.planner.live_profile import TensorParallelMeasurement
+
+    analytic = ModelCosts.from_model(build_model("llama:4"), 16)
+    pair = TensorParallelMeasurement("a", (0, 1), {2: 0.1}, {2: 0.1}, 1000, 700)
+    costs = measured_costs(replace(live, tensor_parallel=pair), analytic)
+    assert costs.tp_replicated_activations == pytest.approx(0.4)
+    assert costs.tp_activation_share(2) == pytest.approx(0.7) and costs.tp_activation_share(4) == pytest.approx(0.55)
+    assert measured_costs(live, analytic).tp_replicated_activations == pytest.approx(10 / 34)
+    one_node = Cluster.from_dict({"nodes": [CLUSTER["nodes"][0]], "device_types": CLUSTER["device_types"]})
+    cluster = measured_cluster(one_node, replace(live, ranks=live.ranks[:2], links=live.links[1:]))
+    tp2, alone = (layout_from_plan(p, cluster, costs, 4) for p in (Plan(tp=2), Plan(placement=(0,))))
+    activations = [device_memory(x, costs, x.replicas[0], 0)[1] for x in (tp2, alone)]
+    block = costs.parts["block"].activation_bytes * 4 * costs.n_layers  # one micro-batch of 4, every block
+    assert activations[1] - activations[0] == pytest.approx(0.3 * block)
+
+
 def tensor_parallel_pair_worker() -> object:
     import torch.distributed as dist
 
@@ -222,5 +247,6 @@ def test_a_tensor_parallel_pair_is_timed_plain_and_sharded_together(live: LivePr
     for m in run_shared(2, {"pair": (tensor_parallel_pair_worker, ())})["pair"]:
         assert (m.node, m.ranks) == ("a", (0, 1)) and set(m.plain_s) == set(m.sharded_s) == {1, 3}
         assert all(t > 0 for t in (*m.plain_s.values(), *m.sharded_s.values())), m
+        assert 0 < m.sharded_peak_bytes < m.plain_peak_bytes, m  # the sharded step allocates less
     kept = replace(live, tensor_parallel=m)
     assert LiveProfile.load(kept.save(tmp_path / "live.json")) == kept

@@ -183,7 +183,7 @@ def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage
     if layout.pp == 1:
         held = 1  # accumulation: one micro-batch's activations at a time
     blocks = end - first
-    block_act = costs.parts["block"].activation_bytes * b / layout.tp
+    block_act = costs.parts["block"].activation_bytes * b * costs.tp_activation_share(layout.tp)
     if layout.recompute == "full":
         activations = held * blocks * costs.boundary_bytes(b) + block_act
     else:

@@ -68,6 +68,9 @@ class ModelCosts:
     # (dispatch, smaller matmuls, waits at blocking collectives), measured at some micro-batch sizes:
     # ((samples, seconds), ...) in increasing size; read with tp_block_at.
     tp_block_s: tuple[tuple[int, float], ...] = ()
+    # The share of a block's saved activations every tensor-parallel rank keeps whole (norm inputs,
+    # residuals); the rest is split over tp. Korthikanti et al. (2022): 10 of 34 values per token.
+    tp_replicated_activations: float = 10 / 34
     # Per-stage sums, memoised: the planner asks for the same stages millions of times.
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -85,6 +88,11 @@ class ModelCosts:
         """Forward seconds of ``part`` for ``samples`` on a device of ``peak_tflops``."""
         cost = self.parts[part]
         return (cost.call_s + cost.forward_s * samples) * self.ref_tflops / peak_tflops
+
+    def tp_activation_share(self, tp: int) -> float:
+        """The share of a block's saved activations one of ``tp`` tensor-parallel ranks holds."""
+        r = self.tp_replicated_activations
+        return r + (1 - r) / tp if tp > 1 else 1.0
 
     def tp_block_at(self, samples: float) -> float:
         """What a tensor-parallel block adds per pass at a micro-batch of ``samples`` (reference device):
