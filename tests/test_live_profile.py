@@ -62,6 +62,8 @@ def live() -> LiveProfile:
 
 
 def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(live: LiveProfile) -> None:
+    from dataclasses import replace
+
     cluster = measured_cluster(Cluster.from_dict(CLUSTER), live)
     speeds = relative_speeds(live)
     # against node a's median block time (1.05: its ranks take 1 and 1.1), not its faster rank's
@@ -74,6 +76,10 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     # between nodes: the pair's latency, and at most the all-reduce's bandwidth (a ring is paced by its slowest)
     assert cluster.link("a", "b").bandwidth_gbs == 0.003 and cluster.link("a", "b").latency_us == 300.0
     assert cluster.link("a", "a").bandwidth_gbs == 1.5
+    overlapping = [replace(r, comm_overlap=share) for r, share in zip(live.ranks, (0.2, 0.4, 1.0))]
+    measured = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, ranks=overlapping))
+    assert measured.device_type("a").comm_overlap == pytest.approx(0.3)  # the median of its ranks'
+    assert measured.device_type("b").comm_overlap == 1.0
 
 
 def test_measured_costs_are_the_fastest_nodes_median_profile_with_the_models_shape(live: LiveProfile) -> None:
@@ -237,6 +243,12 @@ def tensor_parallel_pair_worker() -> object:
                                    batch_sizes=(1, 3), repeats=1, window_s=0.0)  # fmt: skip
 
 
+def comm_overlap_worker() -> float:
+    from tessera.planner.live_profile import measure_comm_overlap
+
+    return measure_comm_overlap(torch.device("cpu"), nbytes=1 << 20, repeats=2)
+
+
 def test_a_tensor_parallel_pair_is_timed_plain_and_sharded_together(live: LiveProfile, tmp_path: Path) -> None:
     """Both members of a real 2-rank group time the same sizes (a member running more collectives than
     the other would hang), and the profile's JSON keeps the measurement."""
@@ -244,7 +256,9 @@ def test_a_tensor_parallel_pair_is_timed_plain_and_sharded_together(live: LivePr
 
     from parity import run_shared
 
-    for m in run_shared(2, {"pair": (tensor_parallel_pair_worker, ())})["pair"]:
+    results = run_shared(2, {"pair": (tensor_parallel_pair_worker, ()), "overlap": (comm_overlap_worker, ())})
+    assert all(0.0 <= share <= 1.0 for share in results["overlap"]), results["overlap"]  # every rank returns
+    for m in results["pair"]:
         assert (m.node, m.ranks) == ("a", (0, 1)) and set(m.plain_s) == set(m.sharded_s) == {1, 3}
         assert all(t > 0 for t in (*m.plain_s.values(), *m.sharded_s.values())), m
         assert 0 < m.sharded_peak_bytes < m.plain_peak_bytes, m  # the sharded step allocates less

@@ -127,6 +127,25 @@ def test_ddp_buckets_overlap_the_backward(costs: ModelCosts) -> None:
     assert estimate(layout, costs).step_s >= compute + all_reduce
 
 
+def test_a_device_that_cannot_overlap_pays_its_collectives_in_compute(costs: ModelCosts) -> None:
+    """DDP on devices measured at comm_overlap 0 (gloo on a CPU): every bucket's bytes cost the backward
+    their time, so the step is at least compute plus the whole all-reduce; at 0.5, half of it."""
+    link_gbs = 4.0
+    overlapped = layout_from_plan(Hybrid(), _two_nodes(link_gbs), costs, 8)
+    compute = _compute_s(costs, overlapped, False) + _compute_s(costs, overlapped, True)
+    all_reduce = 4 * costs.stage_params(0, costs.n_layers) / (link_gbs * 1e9)
+
+    def with_overlap(share: float) -> float:
+        spec = overlapped.replicas[0]
+        units = tuple(dataclasses.replace(u, comm_overlap=share) for u in spec.units)
+        replicas = tuple(dataclasses.replace(r, units=units) for r in overlapped.replicas)
+        return simulate(dataclasses.replace(overlapped, replicas=replicas), costs).step_s
+
+    full, half, none = with_overlap(1.0), with_overlap(0.5), with_overlap(0.0)
+    assert none >= compute + all_reduce
+    assert full < half < none and half == pytest.approx(full + 0.5 * (none - full), rel=0.1)
+
+
 def test_fsdp_gathers_one_unit_ahead(costs: ModelCosts) -> None:
     """ZeRO-3: each block's gather runs while the previous block computes, so a forward takes less
     than its compute plus every gather, yet no less than the gathers' transfer alone."""

@@ -26,6 +26,10 @@ class DeviceType:
     # Memory speed of the host an offloaded optimizer steps on (None: the planner's default host).
     # A measured CPU "device" is its own host: offloading then moves nothing and gains nothing.
     host_bandwidth_gbs: float | None = None
+    # Share of a concurrent collective's time the device's compute does not lose to it: 1 where copy
+    # engines and NCCL move the bytes; lower where the collective's copies and reductions run on the
+    # same processor (gloo on a CPU). Measured by a live profile; the simulator reads it.
+    comm_overlap: float = 1.0
 
     def peak(self, dtype: str) -> float | None:
         """Dense peak for ``dtype`` (None: no fast path for it on this device)."""

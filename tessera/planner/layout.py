@@ -37,6 +37,7 @@ class UnitSpec:
     bandwidth_gbs: float
     tp_link: Link  # slowest link inside the group (unused when tp == 1)
     host_bandwidth_gbs: float = 0.0  # memory speed of the host an offloaded optimizer steps on (0: HOST_BANDWIDTH)
+    comm_overlap: float = 1.0  # the least of its members' DeviceType.comm_overlap
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
         min(t.bandwidth_gbs for t in types),
         cluster.worst_link(nodes),
         min(t.host_bandwidth_gbs or HOST_BANDWIDTH_GBS for t in types),
+        min(t.comm_overlap for t in types),
     )
 
 

@@ -77,6 +77,7 @@ class RankMeasurement:
     # What FSDP's hooks and copies add on this device, per unit (a block, or the root) and pass (a
     # forward or a backward), measured on a one-rank mesh (no communication):
     fsdp_unit_s: float = 0.0
+    comm_overlap: float = 1.0  # share of a concurrent all-reduce's time its compute did not lose (measure_comm_overlap)
 
     def block_s(self) -> float:
         """Forward plus backward of one block, summed over the profiled micro-batch sizes (one size's
@@ -377,6 +378,45 @@ def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
     return 2 * (world - 1) / world * nbytes / seconds / 1e9
 
 
+def measure_comm_overlap(device: torch.device, nbytes: int = 4 << 20, repeats: int = 5) -> float:
+    """Share of an all-reduce's time this rank's compute does not lose when both run at once: with
+    ``a`` a compute loop alone (matmuls sized to last about as long as the all-reduce), ``b`` the
+    all-reduce alone and ``c`` the all-reduce started asynchronously with the loop run meanwhile,
+    ``(a + b − c) / min(a, b)``, within [0, 1]. Every rank must call this (the all-reduces are collective).
+
+    1 when a copy engine and NCCL move the bytes while the cores compute; near 0 with gloo on a CPU
+    held to a quota, whose copies and reductions take the same CPU time the compute needs."""
+    t = torch.ones(nbytes // 4, device=device)
+    x = torch.randn(256, 256, device=device)
+
+    def seconds(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    b = seconds(lambda: dist.all_reduce(t))
+    one = seconds(lambda: torch.mm(x, x))
+    calls = max(1, round(b / max(one, 1e-9)))
+
+    def compute() -> None:
+        for _ in range(calls):
+            torch.mm(x, x)
+
+    def both() -> None:
+        work = dist.all_reduce(t, async_op=True)
+        compute()
+        work.wait()
+
+    a, c = seconds(compute), seconds(both)
+    return min(max((a + b - c) / max(min(a, b), 1e-9), 0.0), 1.0)
+
+
 def collective_latency_us(device: torch.device, repeats: int = 20) -> float:
     """Microseconds of one tiny all-reduce over every rank (the median of ``repeats``)."""
     t = torch.ones(1, device=device)
@@ -457,7 +497,8 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
         host = statistics.median(r.host_optimizer_gbs or r.optimizer_gbs for r in mine)
         name = f"{node.name} (measured)"
         peaks = {dtype: speeds[node.name] for dtype in declared.peak_tflops}
-        types[name] = DeviceType(name, peaks, declared.memory_gib, optimizer, host)
+        overlap = statistics.median(r.comm_overlap for r in mine)
+        types[name] = DeviceType(name, peaks, declared.memory_gib, optimizer, host, overlap)
         nodes.append(replace(node, device_type=name))
     links = dict(cluster.links)
     pairs = dict(cluster.pair_links)

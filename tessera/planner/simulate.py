@@ -29,6 +29,10 @@ of what the runtime does, op by op:
   moves bytes. A layout built from a Plan knows each rank's node, so flows meet where they
   really share a node pair; the search's compact layouts (alike replicas folded into a count)
   get one link per stage's data-parallel group and one per stage boundary.
+- **What a transfer costs compute**: a data-parallel collective takes ``1 − comm_overlap`` of its
+  bytes' time from each member's compute stream where it is issued (``DeviceType.comm_overlap``:
+  1 by default, for copy engines and NCCL; measured by a live profile, low for gloo on a CPU,
+  whose copies and reductions run on the rank's own cores).
 - **Optimizer**: 16 bytes per local parameter at the device's memory speed (on the host, with
   the copies both ways, when offloaded), after the stage's gradients are in.
 
@@ -254,13 +258,16 @@ class _Step:
 
     # ------------------------------------------------------------- transfers
     def collective(self, key: tuple, kind: str, s: int, nbytes: float, deps: list, stream: str = "comm",
-                   calls: int = 1) -> int:  # fmt: skip
+                   calls: int = 1, member: int | None = None) -> int:  # fmt: skip
         """A collective over stage ``s``'s data-parallel group: "all_reduce", "all_gather", "reduce_scatter"
         or "broadcast" (``calls`` of them, one latency each). Every replica class joins it under one ``key``;
-        it starts once every member's ``stream`` reaches it and every member's ``deps`` are done."""
+        it starts once every member's ``stream`` reaches it and every member's ``deps`` are done.
+        ``member``: the replica class joining here, whose compute loses its share (see :meth:`_stall`)."""
         if key in self.shared:
             task = self.shared[key]
             self.e.tasks[task].deps.extend(d for d in deps if d is not None)
+            if member is not None:
+                self._stall(member, s, task, deps)
             return task
         layout, n = self.layout, self.layout.dp
         channels, hop = self._ring(s)
@@ -273,7 +280,21 @@ class _Step:
             comm="data parallel",
         )  # fmt: skip
         self.shared[key] = task
+        if member is not None:
+            self._stall(member, s, task, deps)
         return task
+
+    def _stall(self, r: int, s: int, task: int, deps: list) -> None:
+        """What a collective costs replica class ``r``'s compute at stage ``s``: ``1 − comm_overlap`` of the
+        time its bytes take on the slowest channel alone, in the compute stream where the collective is
+        issued. A device whose copies and reductions run on its own processor (gloo on a CPU, measured
+        by the live profile) overlaps little; one whose copy engines move the bytes (1.0) loses nothing."""
+        lost = 1.0 - self.layout.replicas[r].units[s].comm_overlap
+        t = self.e.tasks[task]
+        if lost <= 0 or t.volume <= 0:
+            return
+        seconds = lost * t.volume / min(self.e.bandwidth[c] for c in t.channels)
+        self.e.add((self.stream("compute", r, s),), deps, seconds=seconds)
 
     def _ring(self, s: int) -> tuple[tuple, float]:
         """Channels a ring over stage ``s``'s data-parallel group crosses, and its slowest hop's latency."""
@@ -339,7 +360,7 @@ class _Step:
                     prefetch = [computes[k - 2]] if k >= 2 else list(after)
                     key = ("gather", s, part.unit, forward, mb)
                     size = self._unit_bytes(s, part.unit, gather=True)
-                    gathered[part.unit] = self.collective(key, "all_gather", s, size, prefetch, "gather")
+                    gathered[part.unit] = self.collective(key, "all_gather", s, size, prefetch, "gather", member=r)
                 deps.append(gathered[part.unit])
             seconds = ratio * self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
             if not forward and layout.recompute == "full" and part.name == "block":
@@ -376,7 +397,7 @@ class _Step:
             if part.name == "last":
                 return  # the root unit's gradients are complete after the embedding's backward
             key = ("reduce", s, part.unit)
-            task = self.collective(key, "reduce_scatter", s, self._unit_bytes(s, part.unit), [done], "reduce")
+            task = self.collective(key, "reduce_scatter", s, self._unit_bytes(s, part.unit), [done], "reduce", member=r)
         else:
             # DDP buckets in reverse parameter order (tensor parallel: replicate's one unit per block)
             size = GRAD_BYTES * part.params / layout.tp
@@ -386,7 +407,7 @@ class _Step:
             if not (full or is_last):
                 return
             key = ("bucket", s, bucket["index"])
-            task = self.collective(key, "all_reduce", s, bucket["bytes"], bucket["deps"])
+            task = self.collective(key, "all_reduce", s, bucket["bytes"], bucket["deps"], member=r)
             bucket.update(bytes=0.0, deps=[], index=bucket["index"] + 1)
         if r == 0:
             self.grads_in.setdefault(s, []).append(task)
@@ -420,7 +441,7 @@ class _Step:
                             phase = "F" if kind == "F" or layout.zero == 2 else "B"
                             params = self.costs.act_bytes * sum(p.params for p in self.parts[s]) / layout.tp
                             key = ("stage gather", s, phase)
-                            after.append(self.collective(key, "all_gather", s, params, [], "gather"))
+                            after.append(self.collective(key, "all_gather", s, params, [], "gather", member=r))
                         done[(kind, s, i)] = self._pass(r, s, i, kind == "F", after)
                         cursor[s] += 1
                         progressed = True
@@ -433,7 +454,9 @@ class _Step:
                 grads = GRAD_BYTES * sum(p.params for p in self.parts[s]) / layout.tp
                 kind = "reduce_scatter" if self.fsdp else "all_reduce"
                 deps = [self.last_backward[(r, s)] for r in range(len(layout.replicas))]
-                self.grads_in[s] = [self.collective(("stage sync", s), kind, s, grads, deps)]
+                for r in range(len(layout.replicas)):
+                    sync = self.collective(("stage sync", s), kind, s, grads, [deps[r]], member=r)
+                self.grads_in[s] = [sync]
 
     def optimizer(self, extra: list[int] | None = None) -> None:
         """Each device's step once its stage's gradients are in; ZeRO-1 owners then broadcast their pieces."""
@@ -455,7 +478,9 @@ class _Step:
                 steps.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds, label=label))
             if layout.zero == 1 and layout.dp > 1:
                 tensors = self.costs.stage_tensors(*layout.stages[s])
-                self.collective(("broadcast", s), "broadcast", s, GRAD_BYTES * params, steps, calls=tensors)
+                for r, step in enumerate(steps):
+                    self.collective(("broadcast", s), "broadcast", s, GRAD_BYTES * params, [step], calls=tensors,
+                                    member=r)  # fmt: skip
 
 
 # ------------------------------------------------------------------ the result

@@ -32,6 +32,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         LiveProfile,
         all_reduce_gbs,
         collective_latency_us,
+        measure_comm_overlap,
         measure_fsdp_overhead,
         measure_links,
         measure_rank,
@@ -71,6 +72,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         dist.barrier()
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
+    mine.comm_overlap = measure_comm_overlap(device) if world > 1 else 1.0
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (mine, tensor_parallel))
     if rank == 0:
