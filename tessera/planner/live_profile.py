@@ -378,7 +378,7 @@ def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
     return 2 * (world - 1) / world * nbytes / seconds / 1e9
 
 
-def measure_comm_overlap(device: torch.device, nbytes: int = 4 << 20, repeats: int = 5) -> float:
+def measure_comm_overlap(device: torch.device, nbytes: int = 1 << 20, repeats: int = 3) -> float:
     """Share of an all-reduce's time this rank's compute does not lose when both run at once: with
     ``a`` a compute loop alone (matmuls sized to last about as long as the all-reduce), ``b`` the
     all-reduce alone and ``c`` the all-reduce started asynchronously with the loop run meanwhile,
