@@ -80,6 +80,9 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     measured = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, ranks=overlapping))
     assert measured.device_type("a").comm_overlap == pytest.approx(0.3)  # the median of its ranks'
     assert measured.device_type("b").comm_overlap == 1.0
+    on_gloo = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, backend="gloo"))
+    assert {on_gloo.link("a", "b").backend, on_gloo.link("a", "a").backend} == {"gloo"}
+    assert cluster.link("a", "b").backend == "nccl"  # what the fixture's profile says it ran
 
 
 def test_measured_costs_are_the_fastest_nodes_median_profile_with_the_models_shape(live: LiveProfile) -> None:

@@ -146,6 +146,25 @@ def test_a_device_that_cannot_overlap_pays_its_collectives_in_compute(costs: Mod
     assert full < half < none and half == pytest.approx(full + 0.5 * (none - full), rel=0.1)
 
 
+def test_gloo_reduce_scatters_move_an_all_reduces_bytes(costs: ModelCosts) -> None:
+    """gloo's reduce-scatter is an all-reduce of the whole buffer: over a gloo link, ZeRO-2's sync moves
+    one ring's worth of bytes more than over NCCL, in the cost model and in the simulator alike."""
+    from tessera.planner.layout import grad_sync_s
+
+    link_gbs = 4.0
+    nccl = layout_from_plan(Hybrid(zero=2), _two_nodes(link_gbs), costs, 8)
+    gloo_link = dataclasses.replace(nccl.dp_links[0], backend="gloo")
+    gloo = dataclasses.replace(
+        nccl, dp_links=(gloo_link,), node_links=tuple((a, b, gloo_link) for a, b, _ in nccl.node_links)
+    )
+    grads = 4 * costs.stage_params(0, costs.n_layers)
+    ring = grads / 2 / (link_gbs * 1e9)  # one ring step of two ranks: half the buffer
+    units = costs.n_layers + 1
+    extra = grad_sync_s(gloo, costs, 0) - grad_sync_s(nccl, costs, 0)
+    assert extra == pytest.approx(ring + units * 10e-6)
+    assert simulate(gloo, costs).step_s - simulate(nccl, costs).step_s == pytest.approx(ring, rel=0.1)
+
+
 def test_fsdp_gathers_one_unit_ahead(costs: ModelCosts) -> None:
     """ZeRO-3: each block's gather runs while the previous block computes, so a forward takes less
     than its compute plus every gather, yet no less than the gathers' transfer alone."""

@@ -58,6 +58,9 @@ class Link:
 
     bandwidth_gbs: float
     latency_us: float
+    # The collectives library on this link. gloo reduce-scatters by all-reducing the whole buffer and
+    # keeping a slice (ProcessGroupGloo::reduce_scatter_tensor_coalesced): twice a ring's bytes.
+    backend: str = "nccl"
 
     def seconds(self, n_bytes: float) -> float:
         """Time to move ``n_bytes`` over this link once."""
@@ -69,6 +72,11 @@ class Link:
         if n <= 1:
             return 0.0
         return 2 * (n - 1) / n * n_bytes / (self.bandwidth_gbs * 1e9) + calls * 2 * (n - 1) * self.latency_us * 1e-6
+
+    def reduce_scatter_steps(self, n: int) -> int:
+        """Ring steps of one reduce-scatter over ``n`` ranks: ``n − 1``, or an all-reduce's ``2(n − 1)`` on gloo.
+        Each step moves ``1/n`` of the buffer and pays one latency."""
+        return 2 * (n - 1) if self.backend == "gloo" else n - 1
 
 
 DEFAULT_LINKS = {

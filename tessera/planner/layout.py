@@ -151,8 +151,9 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     FSDP (ZeRO-2/3) works unit by unit (each block and the
     stage's root): it reduce-scatters once per step and gathers the parameters for every
     micro-batch's forward, and under ZeRO-3 again for its backward, so without a pipeline it
-    moves (m + 1)/2 and (2m + 1)/2 all-reduces' volume and pays the latency of every one of those
-    per-unit collectives. Under a pipeline the schedule keeps parameters gathered between
+    moves (m + 1)/2 and (2m + 1)/2 all-reduces' volume (on gloo, whose reduce-scatter is a whole
+    all-reduce, half an all-reduce more) and pays the latency of every one of those per-unit
+    collectives. Under a pipeline the schedule keeps parameters gathered between
     micro-batches: one volume for ZeRO-2, 1.5 for ZeRO-3 (not measured yet). ZeRO-1 (Tessera's:
     DDP's all-reduce, then one broadcast per parameter piece from its owner) adds an all-gather's
     volume and one collective latency per parameter tensor.
@@ -163,13 +164,15 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     if dp <= 1:
         return 0.0
     if layout.zero >= 2:
-        # FSDP: one gather or reduce-scatter per unit (each block, and the stage's root) per use;
-        # each moves its unit's share of half an all-reduce's volume and pays dp − 1 latencies.
+        # FSDP: one gather per unit (each block, and the stage's root) per use, and one reduce-scatter;
+        # a ring step moves 1/dp of the unit and pays a latency: dp − 1 steps per gather, and per
+        # reduce-scatter as many, or twice that on gloo (which all-reduces the whole buffer).
         m = layout.microbatches if layout.pp == 1 else 1
-        uses = (2 if layout.zero == 3 else 1) * m + 1 if layout.pp == 1 else (3 if layout.zero == 3 else 2)
-        half_volume = (dp - 1) / dp * grad_bytes / (link.bandwidth_gbs * 1e9)
+        gathers = (2 if layout.zero == 3 else 1) * m if layout.pp == 1 else (2 if layout.zero == 3 else 1)
+        steps = gathers * (dp - 1) + link.reduce_scatter_steps(dp)
+        step_volume = grad_bytes / dp / (link.bandwidth_gbs * 1e9)
         units = end - first + 1
-        return uses * (half_volume + units * (dp - 1) * link.latency_us * 1e-6)
+        return steps * (step_volume + units * link.latency_us * 1e-6)
     # One all-reduce per bucket: DDP's buckets (tensor parallel: replicate's unit per block) without a
     # pipeline; one flat one under a pipeline.
     calls = 1

@@ -127,6 +127,7 @@ class LiveProfile:
     collective_latency_us: float = 0.0  # one tiny all-reduce over every rank
     all_reduce_gbs: float = 0.0  # bus bandwidth of a gradient-sized all-reduce over every rank
     tensor_parallel: TensorParallelMeasurement | None = None  # None: no node has two ranks
+    backend: str = "nccl"  # the collectives library the ranks ran (its links' Link.backend)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -500,19 +501,20 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
         overlap = statistics.median(r.comm_overlap for r in mine)
         types[name] = DeviceType(name, peaks, declared.memory_gib, optimizer, host, overlap)
         nodes.append(replace(node, device_type=name))
-    links = dict(cluster.links)
-    pairs = dict(cluster.pair_links)
+    # Every link runs the backend the profile ran, measured or not.
+    links = {name: replace(link, backend=live.backend) for name, link in cluster.links.items()}
+    pairs = {pair: replace(link, backend=live.backend) for pair, link in cluster.pair_links.items()}
     own = [k for k in live.links if k.nodes[0] == k.nodes[1]]
     if own:
         slowest = min(own, key=lambda k: k.bandwidth_gbs)
-        links["intra_node"] = Link(slowest.bandwidth_gbs, slowest.latency_us)
+        links["intra_node"] = Link(slowest.bandwidth_gbs, slowest.latency_us, live.backend)
     for k in live.links:
         if k.nodes[0] != k.nodes[1]:
             # A pair's transfer does not show what a ring of all the ranks costs (each member copies and
             # reduces, a slow one for everyone): collectives between nodes get at most the measured
             # all-reduce's bandwidth.
             bandwidth = min(k.bandwidth_gbs, live.all_reduce_gbs or k.bandwidth_gbs)
-            pairs[frozenset(k.nodes)] = Link(bandwidth, k.latency_us)
+            pairs[frozenset(k.nodes)] = Link(bandwidth, k.latency_us, live.backend)
     return Cluster(tuple(nodes), types, links, pairs)
 
 

@@ -271,12 +271,14 @@ class _Step:
             return task
         layout, n = self.layout, self.layout.dp
         channels, hop = self._ring(s)
-        share = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                 "broadcast": (n - 1) / n}  # fmt: skip
-        steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "broadcast": 1}
+        # Ring steps; each moves 1/n of the buffer and pays a hop's latency (gloo reduce-scatters with a whole
+        # all-reduce). A broadcast is one pipelined chain moving (n − 1)/n.
+        steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "broadcast": 1,
+                 "reduce_scatter": layout.dp_links[s].reduce_scatter_steps(n)}  # fmt: skip
+        share = (n - 1) / n if kind == "broadcast" else steps[kind] / n
         streams = tuple(self.stream(stream, r, s) for r in range(len(layout.replicas)))
         task = self.e.add(
-            streams, deps, volume=share[kind] * nbytes, latency=calls * steps[kind] * hop, channels=channels,
+            streams, deps, volume=share * nbytes, latency=calls * steps[kind] * hop, channels=channels,
             comm="data parallel",
         )  # fmt: skip
         self.shared[key] = task

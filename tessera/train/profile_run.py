@@ -79,7 +79,9 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
         tp = next((t for _, t in gathered if t is not None), None)
         ranks = [r for r, _ in gathered]
-        live = LiveProfile(model_key(model), cfg.data.seq_len, precision, where, ranks, links, latency, bus, tp)
+        live = LiveProfile(
+            model_key(model), cfg.data.seq_len, precision, where, ranks, links, latency, bus, tp, dist.get_backend()
+        )
         print(f"wrote {live.save(out)}", flush=True)
     shutdown()
 
