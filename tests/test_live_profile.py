@@ -76,6 +76,13 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     # between nodes: the pair's latency, and at most the all-reduce's bandwidth (a ring is paced by its slowest)
     assert cluster.link("a", "b").bandwidth_gbs == 0.003 and cluster.link("a", "b").latency_us == 300.0
     assert cluster.link("a", "a").bandwidth_gbs == 1.5
+    # a pair's own all-reduce bounds its link, not the world's (which one slow link drags down for all)
+    timed = [
+        replace(live.links[0], bandwidth_gbs=0.05, all_reduce_gbs=0.02),
+        replace(live.links[1], all_reduce_gbs=0.9),
+    ]
+    paired = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, links=timed))
+    assert paired.link("a", "b").bandwidth_gbs == 0.02 and paired.link("a", "a").bandwidth_gbs == 0.9
     overlapping = [replace(r, comm_overlap=share) for r, share in zip(live.ranks, (0.2, 0.4, 1.0))]
     measured = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, ranks=overlapping))
     assert measured.device_type("a").comm_overlap == pytest.approx(0.3)  # the median of its ranks'

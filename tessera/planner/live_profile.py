@@ -94,6 +94,9 @@ class LinkMeasurement:
     ranks: tuple[int, int]
     bandwidth_gbs: float
     latency_us: float
+    # Bus bandwidth of an all-reduce between the two ranks: unlike a send, it includes what both members'
+    # processors do for a collective (gloo copies and reduces on the CPU, a throttled one slowly).
+    all_reduce_gbs: float = 0.0
 
 
 @dataclass
@@ -321,7 +324,8 @@ def measure_links(cluster: Cluster, rank_devices: list[int], device: torch.devic
     pairs += [((a, a), (ranks[0], ranks[1])) for a, ranks in node_ranks.items() if len(ranks) > 1]
     found = []
     for nodes, ranks in pairs:
-        timed = _time_pair(*ranks, device)
+        group = dist.new_group(sorted(ranks))  # every rank creates every group, in the same order
+        timed = _time_pair(*ranks, group, device)
         if timed is not None:
             found.append(LinkMeasurement(nodes, ranks, *timed))
         dist.barrier()
@@ -330,8 +334,9 @@ def measure_links(cluster: Cluster, rank_devices: list[int], device: torch.devic
     return [link for part in gathered for link in part]
 
 
-def _time_pair(src: int, dst: int, device: torch.device) -> tuple[float, float] | None:
-    """(bandwidth GB/s, one-way latency µs) of src → dst, measured on src; None on other ranks."""
+def _time_pair(src: int, dst: int, pair: dist.ProcessGroup, device: torch.device) -> tuple[float, float, float] | None:
+    """(bandwidth GB/s, one-way latency µs, all-reduce bus bandwidth GB/s) of src → dst, measured on src;
+    None on other ranks."""
     me = dist.get_rank()
     if me not in (src, dst):
         return None
@@ -357,7 +362,14 @@ def _time_pair(src: int, dst: int, device: torch.device) -> tuple[float, float] 
     one = statistics.median(exchange(big) for _ in range(PUSH_REPEATS))
     many = statistics.median(exchange(big, PUSHES) for _ in range(PUSH_REPEATS))
     bandwidth = (PUSHES - 1) * TRANSFER_BYTES / max(many - one, 1e-9) / 1e9
-    return (bandwidth, latency * 1e6) if me == src else None
+    dist.all_reduce(big, group=pair)  # warm-up
+    reduced = []
+    for _ in range(PUSH_REPEATS):
+        start = time.perf_counter()
+        dist.all_reduce(big, group=pair)
+        reduced.append(time.perf_counter() - start)
+    bus = TRANSFER_BYTES / statistics.median(reduced) / 1e9  # 2(n − 1)/n × bytes / time, n = 2
+    return (bandwidth, latency * 1e6, bus) if me == src else None
 
 
 def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
@@ -506,16 +518,23 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
     pairs = {pair: replace(link, backend=live.backend) for pair, link in cluster.pair_links.items()}
     own = [k for k in live.links if k.nodes[0] == k.nodes[1]]
     if own:
-        slowest = min(own, key=lambda k: k.bandwidth_gbs)
-        links["intra_node"] = Link(slowest.bandwidth_gbs, slowest.latency_us, live.backend)
+        slowest = min(own, key=lambda k: _collective_gbs(k))
+        links["intra_node"] = Link(_collective_gbs(slowest), slowest.latency_us, live.backend)
     for k in live.links:
         if k.nodes[0] != k.nodes[1]:
-            # A pair's transfer does not show what a ring of all the ranks costs (each member copies and
-            # reduces, a slow one for everyone): collectives between nodes get at most the measured
-            # all-reduce's bandwidth.
-            bandwidth = min(k.bandwidth_gbs, live.all_reduce_gbs or k.bandwidth_gbs)
+            # A send does not show what a collective costs (each member copies and reduces, a throttled
+            # one slowly): the link gets at most the pair's measured all-reduce bandwidth. (It used to be
+            # capped by the world's all-reduce, which a ring with one slow link drags down for every pair:
+            # a 189 Mbit/s pair was planned at the 47 Mbit/s of another.)
+            bandwidth = _collective_gbs(k, live.all_reduce_gbs)
             pairs[frozenset(k.nodes)] = Link(bandwidth, k.latency_us, live.backend)
     return Cluster(tuple(nodes), types, links, pairs)
+
+
+def _collective_gbs(k: LinkMeasurement, fallback: float = 0.0) -> float:
+    """What collectives get of a measured link: its send bandwidth, at most its pair's all-reduce bandwidth
+    (or ``fallback``, the world's, for a profile without one)."""
+    return min(k.bandwidth_gbs, k.all_reduce_gbs or fallback or k.bandwidth_gbs)
 
 
 def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
@@ -564,7 +583,7 @@ def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[tupl
             f"the live profile timed tensor parallelism on node {m.node!r} but not the link inside it: profile again "
             "with `tessera cluster profile`."
         )
-    link, tp, blocks = Link(own[0].bandwidth_gbs, own[0].latency_us), len(m.ranks), costs.n_layers
+    link, tp, blocks = Link(_collective_gbs(own[0]), own[0].latency_us), len(m.ranks), costs.n_layers
     speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest node's
     points = []
     for b, plain in sorted(m.plain_s.items()):
