@@ -172,8 +172,8 @@ def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfil
     ranks = [replace(r, fsdp_unit_s=1e-3 * (1 + i)) for i, r in enumerate(live.ranks)]
     costs = measured_costs(replace(live, ranks=ranks), ModelCosts.from_model(build_model("llama:4"), 16))
     assert costs.fsdp_unit_s == pytest.approx(1.5e-3)  # the median of the fastest node's (1 and 2 ms)
-    costs = replace(costs, tp_block_s=((2, 4e-3), (8, 7e-3)))  # at micro-batch 4: 5 ms per block and pass
-    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=())
+    costs = replace(costs, tp_block_s=3e-3, tp_sample_s=5e-4)  # at micro-batch 4: 5 ms per block and pass
+    bare = replace(costs, fsdp_unit_s=0.0, tp_block_s=0.0, tp_sample_s=0.0)
     one_node = Cluster.from_dict({"nodes": [CLUSTER["nodes"][0]], "device_types": CLUSTER["device_types"]})
     cluster = measured_cluster(one_node, replace(live, ranks=ranks[:2], links=live.links[1:]))
     # global batch 4: one replica of micro-batch 4 under tp2, two of 2 under ZeRO
@@ -191,7 +191,7 @@ def test_what_the_wrappers_add_is_costed_per_unit_and_per_block(live: LiveProfil
 def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share_and_link(live: LiveProfile) -> None:
     """A tp pair on node a whose sharded step is half the plain one, plus the link's all-reduces,
     plus a known extra per block and pass at each size: the derivation recovers the extras, at the
-    fastest rank's speed, and the costs read them between and beyond the measured sizes."""
+    fastest node's speed, and the costs hold the line through them."""
     from dataclasses import replace
 
     from tessera.cluster.spec import Link
@@ -211,9 +211,10 @@ def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share
     points = tensor_parallel_overhead(measured, costs)
     assert [b for b, _ in points] == [2, 8, 32]
     assert [t for _, t in points] == pytest.approx([extra[b] * speed_a for b in (2, 8, 32)], rel=1e-6)
-    read = measured_costs(measured, analytic)
-    assert read.tp_block_at(5) == pytest.approx(3.5e-3 * speed_a)  # halfway between 2 and 8
-    assert (read.tp_block_at(1), read.tp_block_at(64)) == pytest.approx((2e-3 * speed_a, 6e-3 * speed_a))
+    read = measured_costs(measured, analytic)  # the least-squares line through the three points
+    slope = sum((b - 14) * (extra[b] - 13e-3 / 3) for b in extra) / sum((b - 14) ** 2 for b in extra)
+    assert read.tp_sample_s == pytest.approx(slope * speed_a)
+    assert read.tp_block_at(14) == pytest.approx(13e-3 / 3 * speed_a)  # through the means
     assert tensor_parallel_overhead(live, costs) == ()  # nothing measured, nothing added
     assert costs.tp_block_at(8) == 0.0
 

@@ -39,6 +39,20 @@ def costs() -> ModelCosts:
     return ModelCosts.from_model(model, seq_len=2048, precision="fp16")
 
 
+@pytest.mark.parametrize("seed", [None, 1, 3])
+def test_best_plan_equals_exhaustive_optimum_with_measured_wrapper_costs(costs: ModelCosts, seed: int | None) -> None:
+    """With the live profile's tensor-parallel and FSDP terms in the costs, the search (which takes
+    op times to be affine in the micro-batch) still finds the exhaustive optimum, and ranks what it
+    returns: a term that is not affine once made it return tp2 first at 4x DDP's step."""
+    measured = dataclasses.replace(costs, tp_block_s=1e-3, tp_sample_s=1e-3, fsdp_unit_s=1e-3)
+    one_node = {"nodes": [{"name": "a", "devices": [{"type": "A100-80GB", "count": 2}]}]}
+    cluster = Cluster.from_dict(one_node) if seed is None else random_cluster(seed)
+    found = search(cluster, measured, BATCH, top=3, microbatches=MICROBATCHES)
+    optimum, _ = exhaustive_search(cluster, measured, BATCH, microbatches=MICROBATCHES)
+    assert math.isclose(found[0].estimate.step_s, optimum, rel_tol=1e-9), (found[0].estimate.step_s, optimum)
+    assert [c.estimate.step_s for c in found] == sorted(c.estimate.step_s for c in found)
+
+
 def test_generated_clusters_are_varied() -> None:
     clusters = [random_cluster(s) for s in SEEDS]
     assert len(clusters) >= 20

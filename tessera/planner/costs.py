@@ -65,9 +65,10 @@ class ModelCosts:
     # Seconds the runtime's wrappers add on the reference device (measured by a live profile; 0: unknown):
     fsdp_unit_s: float = 0.0  # per FSDP unit (a block, or the root) and pass
     # What a tensor-parallel block adds per pass beyond its share of compute and its all-reduces on the link
-    # (dispatch, smaller matmuls, waits at blocking collectives), measured at some micro-batch sizes:
-    # ((samples, seconds), ...) in increasing size; read with tp_block_at.
-    tp_block_s: tuple[tuple[int, float], ...] = ()
+    # (dispatch, smaller matmuls, waits at blocking collectives): per call, and per sample of the
+    # micro-batch (a line, as every other time here: the search assumes times affine in the micro-batch).
+    tp_block_s: float = 0.0
+    tp_sample_s: float = 0.0
     # The share of a block's saved activations every tensor-parallel rank keeps whole (norm inputs,
     # residuals); the rest is split over tp. Korthikanti et al. (2022): 10 of 34 values per token.
     tp_replicated_activations: float = 10 / 34
@@ -95,17 +96,8 @@ class ModelCosts:
         return r + (1 - r) / tp if tp > 1 else 1.0
 
     def tp_block_at(self, samples: float) -> float:
-        """What a tensor-parallel block adds per pass at a micro-batch of ``samples`` (reference device):
-        interpolated between the measured sizes, the nearest measured size's figure beyond them."""
-        points = self.tp_block_s
-        if not points:
-            return 0.0
-        if samples <= points[0][0]:
-            return points[0][1]
-        for (b0, t0), (b1, t1) in zip(points, points[1:]):
-            if samples <= b1:
-                return t0 + (t1 - t0) * (samples - b0) / (b1 - b0)
-        return points[-1][1]
+        """What a tensor-parallel block adds per pass at a micro-batch of ``samples`` (reference device)."""
+        return self.tp_block_s + self.tp_sample_s * samples
 
     def stage_parts(self, first: int, end: int) -> list[tuple[str, int]]:
         """The parts of a stage holding layers ``[first, end)``, with their multiplicity."""
@@ -183,7 +175,7 @@ class ModelCosts:
         parts = {}
         for part in PARTS:
             lp = profile.layers[part]
-            call, per_sample = _line(lp.forward_s)
+            call, per_sample = fit_line(lp.forward_s)
             b = max(lp.forward_s)
             parts[part] = PartCost(per_sample, lp.param_bytes // 4, lp.activation_bytes[b] / b, call, lp.param_tensors)
         block = profile.layers["block"]
@@ -199,7 +191,7 @@ class ModelCosts:
         return replace(self, precision=precision, _memo={})
 
 
-def _line(times: dict[int, float]) -> tuple[float, float]:
+def fit_line(times: dict[int, float]) -> tuple[float, float]:
     """Least-squares ``time = call + per_sample × b`` over the profiled micro-batch sizes (both ≥ 0)."""
     sizes = list(times)
     if len(sizes) == 1:
