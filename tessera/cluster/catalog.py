@@ -27,8 +27,8 @@ class DeviceType:
     # A measured CPU "device" is its own host: offloading then moves nothing and gains nothing.
     host_bandwidth_gbs: float | None = None
     # Share of a concurrent collective's time the device's compute does not lose to it: 1 where copy
-    # engines and NCCL move the bytes; lower where the collective's copies and reductions run on the
-    # same processor (gloo on a CPU). Measured by a live profile; the simulator reads it.
+    # engines and NCCL move the bytes; lower where the collective's copies and reductions take the
+    # compute's processor time. Measured by a live profile; the simulator reads it.
     comm_overlap: float = 1.0
 
     def peak(self, dtype: str) -> float | None:

@@ -16,9 +16,6 @@ from typing import Any
 from tessera.train.failures import EXIT_OK, Reporter
 
 QUICK = {"repeats": 3, "window_s": 0.05}  # --quick: a smoke check's timings, not a planning profile
-# Micro-batch sizes every part, and tensor parallelism, are timed at (at most the global batch): plans
-# use 1 to 32 samples here, and a line through 1, 2 and 4 put a 16-sample step 30% too fast on the testbed.
-SIZES = (1, 4, 16, 32)
 
 
 def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> None:
@@ -29,6 +26,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     from tessera.cluster.spec import Cluster
     from tessera.distributed import pick_device, shutdown
     from tessera.planner.live_profile import (
+        SIZES,
         LiveProfile,
         all_reduce_gbs,
         collective_latency_us,
