@@ -16,7 +16,7 @@ namespace joined to the others by veth pairs shaped with ``tc tbf`` (``--link-mb
    all-reduce in it waits for the slowest rank), tokens/s, ratios, and what the cost model and the
    simulator predicted for each plan from the live profile.
 
-    sudo python benchmarks/testbed_cluster.py [--reps 3] [--steps 12] [--json docs/testbed_cluster.json]
+    sudo python benchmarks/testbed_cluster.py [--reps 3] [--steps 12] [--batch 32] [--json docs/testbed_cluster.json]
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ def cluster_spec(link_mbit: float, slow_pair_mbit: float = 0.0) -> dict:
     }
 
 
-def config(out_dir: Path, plan: dict, steps: int, name: str) -> dict:
+def config(out_dir: Path, plan: dict, steps: int, name: str, batch: int = BATCH) -> dict:
     return {
         "model": MODEL,
         "data": {"seq_len": SEQ, "max_bytes": 400_000},
         "plan": plan,
-        "train": {"steps": steps, "global_batch_size": BATCH, "log_every": 1, "sample_bytes": 0, "timeout_s": 300},
+        "train": {"steps": steps, "global_batch_size": batch, "log_every": 1, "sample_bytes": 0, "timeout_s": 300},
         "checkpoint": {"every": 0, "resume": "never"},
         "logging": {"run_name": name, "out_dir": str(out_dir), "progress": False, "tensorboard": False},
     }
@@ -93,9 +93,11 @@ def train_records(
     return [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> float:
+def run(
+    work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int, batch: int
+) -> float:
     """Median step time (s) over steps 3.. of one `tessera train --testbed` run."""
-    records = train_records(work, name, plan, nproc, cluster_file, cpus, steps)
+    records = train_records(work, name, plan, nproc, cluster_file, cpus, steps, global_batch_size=batch)
     return statistics.median(r["step_time_s"] for r in records if r["step"] >= 3)
 
 
@@ -145,14 +147,14 @@ def profile_testbed(
     return ProfiledTestbed(work, spec, cluster_file, model, live, cluster, costs)
 
 
-def predictions(plans: dict[str, tuple[Any, Any]], costs: Any) -> dict[str, dict[str, float]]:
+def predictions(plans: dict[str, tuple[Any, Any]], costs: Any, batch: int = BATCH) -> dict[str, dict[str, float]]:
     from tessera.planner.costmodel import estimate
     from tessera.planner.layout import layout_from_plan
     from tessera.planner.simulate import simulate
 
     out = {}
     for name, (plan, cluster) in plans.items():
-        layout = layout_from_plan(plan, cluster, costs, BATCH)
+        layout = layout_from_plan(plan, cluster, costs, batch)
         out[name] = {"cost_model_s": estimate(layout, costs).step_s, "simulator_s": simulate(layout, costs).step_s}
     return out
 
@@ -163,6 +165,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cpus", type=float, default=1.65)
     ap.add_argument("--link-mbit", type=float, default=1000.0, help="every link between nodes, in Mbit/s")
+    ap.add_argument(
+        "--batch", type=int, default=BATCH,
+        help="global batch (samples of 64 tokens): the larger, the more compute per gradient sync",
+    )  # fmt: skip
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -175,7 +181,7 @@ def main() -> None:
     work, cluster_file, live, measured, costs, model = (
         bed.work, bed.cluster_file, bed.live, bed.cluster, bed.costs, bed.model
     )  # fmt: skip
-    best = plan_for(measured, model, BATCH, costs=costs, top=1)[0]
+    best = plan_for(measured, model, args.batch, costs=costs, top=1)[0]
     planned = best.plan
     for note in best.notes:
         print(f"planner: {note}")
@@ -190,11 +196,11 @@ def main() -> None:
     measured_s: dict[str, list[float]] = {name: [] for name in plans}
     for rep in range(args.reps):
         for name, (plan_dict, nproc) in plan_dicts.items():  # interleaved
-            step = run(work, name.replace(" ", "_"), plan_dict, nproc, cluster_file, args.cpus, args.steps)
+            step = run(work, name.replace(" ", "_"), plan_dict, nproc, cluster_file, args.cpus, args.steps, args.batch)
             measured_s[name].append(step)
             print(f"rep {rep} {name:10s} {step:.3f} s/step", flush=True)
 
-    predicted = predictions(plans, costs)
+    predicted = predictions(plans, costs, args.batch)
     rows = {}
     for name in plans:
         step = statistics.median(measured_s[name])
@@ -203,7 +209,7 @@ def main() -> None:
             "ranks": plan_dicts[name][1],
             "measured_step_s": step,
             "runs_s": measured_s[name],
-            "tokens_per_s": BATCH * SEQ / step,
+            "tokens_per_s": args.batch * SEQ / step,
             **predicted[name],
         }
     for name, row in rows.items():
@@ -217,7 +223,9 @@ def main() -> None:
     print(f"planned: {planned.to_dict()}")
     rows["planned"]["notes"] = list(best.notes)
     if args.json:
-        out = {"cpus": args.cpus, "link_mbit": args.link_mbit, "live_profile": json.loads(live.to_json()), "rows": rows}
+        live_json = json.loads(live.to_json())
+        out = {"cpus": args.cpus, "link_mbit": args.link_mbit, "global_batch": args.batch, "live_profile": live_json}
+        out["rows"] = rows
         Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"wrote {args.json}")
 
