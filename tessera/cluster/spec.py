@@ -73,6 +73,13 @@ class Link:
             return 0.0
         return 2 * (n - 1) / n * n_bytes / (self.bandwidth_gbs * 1e9) + calls * 2 * (n - 1) * self.latency_us * 1e-6
 
+    @property
+    def has_streams(self) -> bool:
+        """Whether collectives on this link run beside compute on streams of their own. gloo carries CPU
+        tensors, and a CPU has no streams: FSDP2's gather and reduce-scatter streams are the compute
+        thread there, so each of its collectives blocks the computation that issues it."""
+        return self.backend != "gloo"
+
     def reduce_scatter_steps(self, n: int) -> int:
         """Ring steps of one reduce-scatter over ``n`` ranks: ``n − 1``, or an all-reduce's ``2(n − 1)`` on gloo.
         Each step moves ``1/n`` of the buffer and pays one latency."""

@@ -20,6 +20,8 @@ of what the runtime does, op by op:
   forward gathers each unit (in the compute precision) before its compute with one unit
   prefetched; ZeRO-3 gathers again in backward; the last micro-batch reduce-scatters each unit
   right after its backward, on a stream of its own, so gathers and reductions share the link.
+  Where a link has no streams (gloo: CPU tensors, :attr:`Link.has_streams`) FSDP2 issues each of
+  them on the compute thread and waits: no prefetch, no overlap.
 - **Under a pipeline** the schedule runs backward itself: replicated gradients are averaged in
   one flat all-reduce after the stage's last backward; FSDP gathers a stage once before its
   first forward (ZeRO-3: again before its first backward) and reduce-scatters it after its last.
@@ -250,6 +252,7 @@ class _Step:
         self.parts = [_parts(costs, a, b) for a, b in layout.stages]
         self.fsdp = layout.zero >= 2 and layout.dp > 1
         self.shared: dict[tuple, int] = {}  # one collective, joined by every replica class
+        self.joined: set[tuple] = set()  # (key, replica class) of the blocking FSDP collectives joined so far
         self.last_backward: dict[tuple[int, int], int] = {}  # (replica class, stage) -> task
         self.grads_in: dict[int, list[int]] = {}  # stage -> collectives its optimizer waits for
 
@@ -284,6 +287,20 @@ class _Step:
         self.shared[key] = task
         if member is not None:
             self._stall(member, s, task, deps)
+        return task
+
+    def _fsdp_collective(self, key: tuple, kind: str, s: int, nbytes: float, deps: list, stream: str, r: int) -> int:
+        """An FSDP gather or reduce-scatter on ``stream``, beside the compute. Where the link has no streams it is
+        issued once replica class ``r``'s compute stream reaches it, and that stream waits for it to end."""
+        if self.layout.dp_links[s].has_streams:
+            return self.collective(key, kind, s, nbytes, deps, stream, member=r)
+        if (key, r) in self.joined:  # a stage's gather serves every micro-batch: issued once
+            return self.shared[key]
+        self.joined.add((key, r))
+        compute = self.stream("compute", r, s)
+        issued = self.e.queues.get(compute, [])[-1:]  # the last task the compute thread ran before it
+        task = self.collective(key, kind, s, nbytes, [*issued, *deps], stream)
+        self.e.add((compute,), [task], seconds=0.0)
         return task
 
     def _stall(self, r: int, s: int, task: int, deps: list) -> None:
@@ -362,7 +379,7 @@ class _Step:
                     prefetch = [computes[k - 2]] if k >= 2 else list(after)
                     key = ("gather", s, part.unit, forward, mb)
                     size = self._unit_bytes(s, part.unit, gather=True)
-                    gathered[part.unit] = self.collective(key, "all_gather", s, size, prefetch, "gather", member=r)
+                    gathered[part.unit] = self._fsdp_collective(key, "all_gather", s, size, prefetch, "gather", r)
                 deps.append(gathered[part.unit])
             seconds = ratio * self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
             if not forward and layout.recompute == "full" and part.name == "block":
@@ -399,7 +416,7 @@ class _Step:
             if part.name == "last":
                 return  # the root unit's gradients are complete after the embedding's backward
             key = ("reduce", s, part.unit)
-            task = self.collective(key, "reduce_scatter", s, self._unit_bytes(s, part.unit), [done], "reduce", member=r)
+            task = self._fsdp_collective(key, "reduce_scatter", s, self._unit_bytes(s, part.unit), [done], "reduce", r)
         else:
             # DDP buckets in reverse parameter order (tensor parallel: replicate's one unit per block)
             size = GRAD_BYTES * part.params / layout.tp
@@ -443,7 +460,7 @@ class _Step:
                             phase = "F" if kind == "F" or layout.zero == 2 else "B"
                             params = self.costs.act_bytes * sum(p.params for p in self.parts[s]) / layout.tp
                             key = ("stage gather", s, phase)
-                            after.append(self.collective(key, "all_gather", s, params, [], "gather", member=r))
+                            after.append(self._fsdp_collective(key, "all_gather", s, params, [], "gather", r))
                         done[(kind, s, i)] = self._pass(r, s, i, kind == "F", after)
                         cursor[s] += 1
                         progressed = True
