@@ -65,16 +65,32 @@ def _optimizer_state(optimizer: Any) -> Any:
     return optimizer.state
 
 
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of the gradient buckets DDP's C++ reducer holds for ``model``'s DDP modules. They stay
+    allocated between steps, when ``zero_grad(set_to_none=True)`` has dropped every Python reference
+    to them, so neither the parameters' ``.grad`` nor a step's allocations show them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, DistributedDataParallel):
+            sizes = str(module._get_ddp_logging_data().get("bucket_sizes", ""))
+            total += sum(int(size) for size in sizes.split(",") if size.strip())
+    return total
+
+
 def model_state_bytes(model: nn.Module, optimizer: Any | None = None) -> StateBytes:
     """This rank's bytes of parameters, gradients and optimizer state.
 
     Sharded tensors count only their local shard; tensors sharing storage (views,
-    tied weights, DDP gradient buckets) count once.
+    tied weights, DDP gradient buckets) count once. Under DDP the gradients are its buckets,
+    held whether or not ``.grad`` points at them (:func:`ddp_bucket_bytes`).
     """
     seen: set[tuple[str, int]] = set()
     params = list(model.parameters())
     p_bytes = _bytes((local(p) for p in params), seen)
     g_bytes = _bytes((local(p.grad) for p in params if p.grad is not None), seen)
+    g_bytes = max(g_bytes, ddp_bucket_bytes(model))
     o_bytes = _bytes(_tensors(dict(_optimizer_state(optimizer))), seen) if optimizer is not None else 0
     return StateBytes(p_bytes, g_bytes, o_bytes)
 

@@ -21,7 +21,10 @@ def state_bytes_worker(plan_dict: dict) -> dict:
     booster.backward(loss_fn(model(batch["x"]), batch["y"]), opt)
     opt.step()  # optimizer state exists, gradients not yet cleared: the peak model state
     b = tessera.memory.model_state_bytes(model, opt)
+    opt.zero_grad()  # set_to_none: no .grad left, but DDP's reducer keeps its buckets
+    cleared = tessera.memory.model_state_bytes(model, opt)
     return {
+        "grads_after_zero_grad": cleared.grads,
         "total": int(b),
         "params": b.params,
         "grads": b.grads,
@@ -53,6 +56,7 @@ def test_ddp_counts_every_byte_once(measured: dict) -> None:
     fp32 = 4 * r["n_params"]
     assert r["params"] == fp32
     assert r["grads"] == fp32  # DDP's buckets hold the gradients: no second copy
+    assert r["grads_after_zero_grad"] == fp32  # ... and stay allocated with every .grad set to None
     # AdamW: exp_avg + exp_avg_sq per element, plus one scalar step per tensor.
     assert r["optimizer"] == 2 * fp32 + 4 * r["n_tensors"]
 
@@ -79,6 +83,7 @@ def test_zero2_shards_gradients_and_optimizer_state(measured: dict) -> None:
     step_scalars = 4 * ddp["n_tensors"]
     for rank, r in enumerate(measured["zero2"]):
         assert r["grads"] <= ddp["grads"] / WORLD * 1.05, f"rank {rank}: {r}"
+        assert r["grads_after_zero_grad"] == 0  # FSDP frees its sharded gradients
         assert r["optimizer"] - step_scalars <= (ddp["optimizer"] - step_scalars) / WORLD * 1.05, f"rank {rank}: {r}"
 
 
@@ -95,3 +100,26 @@ def test_peak_tensor_bytes_sees_a_transient_high_water_mark() -> None:
         c = torch.ones(mib // 2)
         del c
     assert 18 * mib <= peak[0] < 18.5 * mib
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_loss_bytes_the_cost_model_counts_are_what_cross_entropy_allocates(precision: str) -> None:
+    """The logits a head produces, the trainer's fp32 loss on them and its backward peak at what
+    ModelCosts counts for the loss (saved per micro-batch + gradients once), to within 10%."""
+    import torch
+
+    from tessera.models.llama import Llama, LlamaConfig
+    from tessera.planner.costs import ModelCosts
+    from tessera.precision import DTYPES
+    from tessera.train.trainer import next_token_loss
+
+    vocab, seq, samples = 512, 32, 4
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=vocab))
+    costs = ModelCosts.from_model(model, seq, precision=precision)
+    targets = torch.randint(0, vocab, (samples, seq))
+    with tessera.memory.peak_tensor_bytes(torch.device("cpu"), 0) as peak:
+        logits = torch.randn(samples, seq, vocab, dtype=DTYPES[precision], requires_grad=True)
+        next_token_loss(logits, targets).backward()
+    predicted = (costs.loss_saved_bytes + costs.loss_grad_bytes) * samples
+    assert predicted == pytest.approx(peak[0], rel=0.1)

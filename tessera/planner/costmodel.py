@@ -189,8 +189,12 @@ def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage
     else:
         activations = held * blocks * block_act
     activations += held * costs.edge_activation_bytes(first, end) * b
+    if end == costs.n_layers:  # the loss: kept per micro-batch held, its gradients once
+        activations += (held * costs.loss_saved_bytes + costs.loss_grad_bytes) * b
     if zero == 3:  # one block's parameters gathered, and the next one prefetched
         buffers = 2 * 4 * costs.parts["block"].params / layout.tp
+    elif zero <= 1 and layout.pp == 1 and layout.tp == 1:
+        buffers = 0.0  # DDP's buckets are the gradients themselves (gradient_as_bucket_view)
     else:
         buffers = min(4 * local, BUCKET_BYTES) if dp > 1 else 0.0
     return params + grads + optim, activations, buffers

@@ -72,6 +72,11 @@ class ModelCosts:
     # The share of a block's saved activations every tensor-parallel rank keeps whole (norm inputs,
     # residuals); the rest is split over tp. Korthikanti et al. (2022): 10 of 34 values per token.
     tp_replicated_activations: float = 10 / 34
+    # The loss, per sample, on the stage holding the head (0: unknown). Each micro-batch held for its
+    # backward keeps its logits and their fp32 log-softmax; the backward then adds both gradients once.
+    # The profiled "last" part saves only the head's input: a forward's output is not saved.
+    loss_saved_bytes: float = 0.0
+    loss_grad_bytes: float = 0.0
     # Per-stage sums, memoised: the planner asks for the same stages millions of times.
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -161,12 +166,13 @@ class ModelCosts:
             "last": PartCost(
                 2 * hidden * vocab * seq_len * per_s,
                 counts["last"],
-                seq_len * (hidden + vocab) * elem,
+                seq_len * hidden * elem,  # the head's input (its logits are the loss's, below)
                 tensors=tensors["last"],
             ),
         }
         return cls(name or type(model).__name__, n_layers, seq_len, hidden, parts, precision, 1.0,
             heads=_heads(getattr(model, "config", None)), shared_params=shared,
+            loss_saved_bytes=seq_len * vocab * (elem + 4), loss_grad_bytes=seq_len * vocab * 8,
         )  # fmt: skip
 
     @classmethod

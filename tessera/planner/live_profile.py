@@ -546,7 +546,7 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
     :func:`measured_cluster` calls it).
 
     ``analytic`` (:meth:`ModelCosts.from_model` of the same model) gives what timing cannot: the
-    head count tensor parallelism must divide and the parameters a tied head shares."""
+    head count tensor parallelism must divide, the parameters a tied head shares and the loss's bytes."""
     if live.seq_len != analytic.seq_len:
         raise PlanError(
             f"the live profile was measured at sequence length {live.seq_len}, the model is planned at "
@@ -567,6 +567,8 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
         name=analytic.name,
         heads=analytic.heads,
         shared_params=analytic.shared_params,
+        loss_saved_bytes=analytic.loss_saved_bytes,  # what cross-entropy allocates does not depend on the device
+        loss_grad_bytes=analytic.loss_grad_bytes,
         source=f"live profile ({live.where}; fastest: node {node}, median of its {len(ranks)} rank(s))",
     )
 
