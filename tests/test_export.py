@@ -19,8 +19,21 @@ def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("gpt2")
     config = tiny_config(run, steps=2, every=0, plan={"preset": "zero", "zero": 3})
     config["model"]["kind"] = "hf_gpt2"
+    config["train"]["measure_memory_at"] = 2  # read by the memory test below: this launch serves both
     run_ranks(train_worker, 2, config)
     return ckpt(run, 2)
+
+
+def test_training_logs_each_ranks_peak_bytes_at_the_step_asked(gpt2_checkpoint: Path) -> None:
+    """`train.measure_memory_at` through a real 2-rank launch: that step's record, and only it, holds every
+    rank's peak tensor bytes, each above what the rank holds between steps (ZeRO-3: its shards)."""
+    import json
+
+    records = [json.loads(line) for line in (gpt2_checkpoint.parents[1] / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in records if "peak_tensor_bytes_per_rank" in r]
+    assert [r["step"] for r in measured] == [2]
+    peaks, held = measured[0]["peak_tensor_bytes_per_rank"], measured[0]["model_state_bytes_per_rank"]
+    assert len(peaks) == 2 and all(p > h > 0 for p, h in zip(peaks, held)), (peaks, held)
 
 
 def test_safetensors_and_hf_exports_hold_the_trained_weights(gpt2_checkpoint: Path, tmp_path: Path) -> None:

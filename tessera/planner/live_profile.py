@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
 from pathlib import Path
@@ -195,6 +197,18 @@ def measure_rank(
     )
 
 
+def _largest_asked(device: torch.device, group: dist.ProcessGroup | None = None) -> Callable[[int], int]:
+    """``calls -> the largest number any rank of group asked for``: ranks that time a collective must all
+    run it the same number of times, whatever their own calibration said."""
+
+    def largest(calls: int) -> int:
+        count = torch.tensor([calls], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        return int(count.item())
+
+    return largest
+
+
 def _step_seconds(model: nn.Module, tokens: torch.Tensor, repeats: int, window_s: float, agree: Any = None) -> float:
     """Median seconds of one forward and backward of ``model`` on ``tokens``."""
 
@@ -270,11 +284,7 @@ def measure_tensor_parallel(
     mesh = DeviceMesh.from_group(group, device.type)
     sharded = apply_tensor_parallel(copy.deepcopy(model), model, policy_for(model, "the profiler"), mesh)
 
-    def largest(calls: int) -> int:  # both members must run the same number of collectives
-        count = torch.tensor([calls], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        return int(count.item())
-
+    largest = _largest_asked(device, group)  # both members must run the same number of collectives
     plain, split = {}, {}
     for b in batch_sizes:
         torch.manual_seed(b)  # the same tokens on both members, as tensor parallelism requires
@@ -384,26 +394,25 @@ def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
         return 0.0
     t = torch.ones(nbytes // 4, device=device)
 
-    def largest(calls: int) -> int:  # every rank must run the same number of collectives: the largest asked
-        count = torch.tensor([calls], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return int(count.item())
-
+    largest = _largest_asked(device)
     seconds = median_seconds(lambda: dist.all_reduce(t), 3, WINDOW_S, agree=largest)
     return 2 * (world - 1) / world * nbytes / seconds / 1e9
 
 
 def measure_comm_overlap(device: torch.device, nbytes: int = 1 << 20, repeats: int = 3) -> float:
     """Share of an all-reduce's time this rank's compute does not lose when both run at once: with
-    ``a`` a compute loop alone (matmuls sized to last about as long as the all-reduce), ``b`` the
-    all-reduce alone and ``c`` the all-reduce started asynchronously with the loop run meanwhile,
-    ``(a + b − c) / min(a, b)``, within [0, 1]. Every rank must call this (the all-reduces are collective).
+    ``b`` a window of all-reduces alone, ``a`` a matmul loop alone sized to last as long, and ``c`` the
+    same all-reduces started asynchronously with the loop run meanwhile, ``(a + b − c) / min(a, b)``,
+    within [0, 1]. Every rank must call this (the all-reduces are collective).
 
-    1 when a copy engine and NCCL move the bytes while the cores compute; lower where the collective's
-    copies and reductions take the CPU time the compute needs (gloo on the testbed's quota-held CPUs
-    measured 0.73–0.92: over a shaped link the CPU mostly waits in the kernel)."""
+    Each window lasts at least ``WINDOW_S``: a rank held to a CPU quota runs a short call at full
+    speed, and one-call timings over a 1 Gbit/s link measured 0 on every testbed rank where windows
+    over a 200 Mbit/s link measured 0.73–0.92. 1 when a copy engine and NCCL move the bytes while the
+    cores compute; lower where the collective's copies and reductions take the CPU time the compute needs."""
     t = torch.ones(nbytes // 4, device=device)
     x = torch.randn(256, 256, device=device)
+
+    largest = _largest_asked(device)
 
     def seconds(fn: Any) -> float:
         times = []
@@ -416,18 +425,27 @@ def measure_comm_overlap(device: torch.device, nbytes: int = 1 << 20, repeats: i
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    b = seconds(lambda: dist.all_reduce(t))
-    one = seconds(lambda: torch.mm(x, x))
-    calls = max(1, round(b / max(one, 1e-9)))
+    dist.all_reduce(t)  # warm-up: the first collective sets up the ring
+    start = time.perf_counter()
+    dist.all_reduce(t)
+    rounds = largest(max(1, math.ceil(WINDOW_S / max(time.perf_counter() - start, 1e-6))))
+
+    def reduce_all() -> None:
+        for _ in range(rounds):
+            dist.all_reduce(t)
+
+    b = seconds(reduce_all)
+    calls = max(1, round(b / max(median_seconds(lambda: torch.mm(x, x), 3, WINDOW_S), 1e-9)))
 
     def compute() -> None:
         for _ in range(calls):
             torch.mm(x, x)
 
     def both() -> None:
-        work = dist.all_reduce(t, async_op=True)
+        works = [dist.all_reduce(t, async_op=True) for _ in range(rounds)]
         compute()
-        work.wait()
+        for work in works:
+            work.wait()
 
     a, c = seconds(compute), seconds(both)
     return min(max((a + b - c) / max(min(a, b), 1e-9), 0.0), 1.0)
