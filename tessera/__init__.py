@@ -19,6 +19,7 @@ _EXPORTS = {
     "Auto": "tessera.presets",
     "Booster": "tessera.booster",
     "DDP": "tessera.presets",
+    "Groups": "tessera.groups",
     "Hybrid": "tessera.presets",
     "NotSupportedYet": "tessera.errors",
     "PipelineSpec": "tessera.plan",
@@ -34,6 +35,7 @@ __all__ = [
     "Auto",
     "Booster",
     "DDP",
+    "Groups",
     "Hybrid",
     "NotSupportedYet",
     "PipelineSpec",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from tessera.booster import Booster
     from tessera.distributed import init
     from tessera.errors import NotSupportedYet, PlanError
+    from tessera.groups import Groups
     from tessera.plan import PipelineSpec, Plan, Replica
     from tessera.presets import DDP, Auto, Hybrid, ZeRO
 

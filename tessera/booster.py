@@ -35,6 +35,7 @@ from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer
 from tessera.parallel import data_parallel
 from tessera.parallel.grad_norm import clip_grads_
+from tessera.parallel.outer import OuterSync
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
@@ -60,6 +61,7 @@ class Booster:
         self.plan = plan.resolve(dist.get_world_size())
         coords = self.plan.coords(dist.get_rank())
         self.dp_rank, self.sp_rank = coords.dp, coords.sp  # which samples, which slice of each sequence
+        self.group_index = coords.group  # under Plan.groups: which group this rank trains in
         shares = self.plan.shares()
         self.hooks = hooks if hooks is not None else Hooks()
         self.hooks.bind(self.plan, dist.get_rank())
@@ -99,6 +101,10 @@ class Booster:
         """Lay ``model`` and ``optimizer`` out as the Plan says; use the returned pair from now on."""
         if not isinstance(model, nn.Module):
             raise PlanError(f"boost() needs a torch.nn.Module, got {type(model).__name__}.")
+        if optimizer is None and self.plan.groups is not None:
+            raise PlanError(
+                "Plan.groups synchronises the groups after their optimizer's steps: pass the optimizer to boost()."
+            )
         if self._ctx.model is not None:
             raise PlanError("this Booster already boosted a model: make one Booster per model.")
         names: dict[int, list[str]] = {}  # every name of each parameter (tied weights have several)
@@ -121,7 +127,19 @@ class Booster:
         if optimizer is None:
             return wrapped, None
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
+        if self.plan.groups is not None:  # the outer synchronisation runs after the inner optimizer's steps
+            weights = self._group_weights()
+            group = self._ctx.meshes.group("group")
+            self._ctx.optimizer.outer = OuterSync(
+                list(wrapped.parameters()), group, self.plan.groups, weights, self.group_index
+            )
         return wrapped, self._ctx.optimizer
+
+    def _group_weights(self) -> list[float]:
+        """Each group's share of the global batch (they sum to 1)."""
+        assert self.plan.groups is not None
+        shares = self.plan.groups.group_shares()
+        return [s / sum(shares) for s in shares]
 
     @property
     def stage_group(self) -> dist.ProcessGroup | None:
@@ -204,7 +222,11 @@ class Booster:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the whole global batch (every rank gets the same value)."""
-        return self.engine.reduce_loss(distributed.local(loss.detach()).float() * self.loss_weight)
+        value = self.engine.reduce_loss(distributed.local(loss.detach()).float() * self.loss_weight)
+        if self.plan.groups is not None:  # each group's mean, weighted by its share of the batch
+            value *= self._group_weights()[self.group_index]
+            dist.all_reduce(value, group=self._ctx.meshes.group("group"))
+        return value
 
     # ------------------------------------------------------------------- data
     def dataloader(
@@ -220,8 +242,8 @@ class Booster:
         sampler = ShareBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             global_batch_size,
-            self.plan.shares(),
-            self.dp_rank,
+            self.plan.batch_split(global_batch_size) if self.plan.groups is not None else self.plan.shares(),
+            self.plan.data_rank(dist.get_rank()),
             seed=seed,
             shuffle=shuffle,
         )

@@ -52,7 +52,7 @@ from tessera.checkpoint_readers import (
     refusal_inside,
 )
 from tessera.data.sharding import map_tensors
-from tessera.errors import RuntimeFault
+from tessera.errors import NotSupportedYet, RuntimeFault
 from tessera.parallel.zero1 import ShardedOptimizer
 
 
@@ -94,6 +94,11 @@ def _inner(optimizer: Any) -> Any:
 
 
 def _state_dicts(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    if getattr(optimizer, "outer", None) is not None:
+        raise NotSupportedYet(
+            "checkpoints of Plan.groups are not written yet: each group's weights differ between outer steps, "
+            "and the outer optimizer's state would be lost."
+        )
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):
         optim = inner.full_state_dict(_param_names(model))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import NotSupportedYet, PlanError, nearest
+from tessera.groups import Groups
 from tessera.inputs import InputError, load_yaml, read_text, shown
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -240,6 +241,7 @@ class RankCoords:
     dp: int = 0
     tp: int = 0
     sp: int = 0
+    group: int = 0  # under Plan.groups: which group; the other coordinates are inside it
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,9 @@ class Plan:
             of dp × pp: replica i takes the next ``depth`` ranks, one stage each, and every layer's
             gradient is averaged over the ranks that hold it. Needs tp = sp = pp = 1 and ZeRO-0;
             micro-batches and schedule come from ``pipeline``.
+        groups: the ranks split into equal groups (regions) that train apart and meet at an outer
+            synchronisation (:class:`~tessera.groups.Groups`: DiLoCo, or none). Every other field
+            lays out each group; ``dp`` and ``dp_shares`` are a group's.
     """
 
     dp: int | None = None
@@ -290,6 +295,7 @@ class Plan:
     rank_devices: tuple[str, ...] | None = None
     placement: tuple[int, ...] | None = None
     replicas: tuple[Replica, ...] | None = None
+    groups: Groups | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dp_shares", _as_tuple(self.dp_shares))
@@ -299,6 +305,10 @@ class Plan:
             object.__setattr__(self, "pipeline", _from_dict(PipelineSpec, self.pipeline, "pipeline"))
         if self.replicas is not None:
             object.__setattr__(self, "replicas", _replicas_from(self.replicas))
+        if isinstance(self.groups, dict):
+            object.__setattr__(self, "groups", _from_dict(Groups, self.groups, "groups"))
+        if self.groups is not None and not isinstance(self.groups, Groups):
+            raise PlanError(f"Plan.groups must be a mapping (count, sync, inner_steps, ...), got {shown(self.groups)}.")
         if self.dp is not None:
             _check_int("dp", self.dp)
         _check_int("tp", self.tp, maximum=MAX_GROUP)
@@ -428,22 +438,30 @@ class Plan:
             return self._resolve_replicas(world_size)
         mp = self.model_parallel_size
         dp = self.dp
-        if dp is None:
-            if world_size % mp:
+        ranks, job = world_size, f"the job has {world_size} ranks"
+        if self.groups is not None:
+            count = self.groups.count
+            if world_size % count:
                 raise PlanError(
-                    f"world size {world_size} is not divisible by tp×pp×sp={mp}: "
-                    "change Plan.tp/pp/sp or the number of ranks."
+                    f"Plan.groups.count={count} does not divide the {world_size} ranks: groups are equal, so launch a "
+                    f"multiple of {count} ranks or change the count."
                 )
-            dp = world_size // mp
-        if dp * mp != world_size:
+            ranks, job = world_size // count, f"each of the {count} groups has {world_size // count} ranks"
+        if dp is None:
+            if ranks % mp:
+                raise PlanError(
+                    f"{job}, which tp×pp×sp={mp} does not divide: change Plan.tp/pp/sp or the number of ranks."
+                )
+            dp = ranks // mp
+        if dp * mp != ranks:
             raise PlanError(
-                f"Plan.dp×tp×pp×sp = {dp}×{self.tp}×{self.pp}×{self.ulysses_size} = {dp * mp} but the job has "
-                f"{world_size} ranks: make the product equal the world size (or leave Plan.dp unset)."
+                f"Plan.dp×tp×pp×sp = {dp}×{self.tp}×{self.pp}×{self.ulysses_size} = {dp * mp} but {job}: "
+                "make the product equal (or leave Plan.dp unset)."
             )
         if self.dp_shares is not None and len(self.dp_shares) != dp:
             raise PlanError(
                 f"Plan.dp_shares has {len(self.dp_shares)} entries but the data-parallel size is {dp} "
-                f"({world_size} ranks / tp×pp×sp={mp}): give one share per data-parallel rank."
+                f"({ranks} ranks / tp×pp×sp={mp}): give one share per data-parallel rank."
             )
         self._check_rank_lists(world_size)
         resolved = dataclasses.replace(self, dp=dp)
@@ -495,6 +513,8 @@ class Plan:
             shape, names = [self.dp, self.sp], ["dp", "sp"]
         if self.pp > 1:
             shape, names = [self.pp, *shape], ["pp", *names]
+        if self.groups is not None:  # outermost: a group's ranks are neighbours, like a region's
+            shape, names = [self.groups.count, *shape], ["group", *names]
         return tuple(shape), tuple(names)
 
     def coords(self, rank: int) -> RankCoords:
@@ -509,8 +529,11 @@ class Plan:
             raise PlanError(f"rank {rank} is past the {first} ranks of Plan.replicas.")
         if self.dp is None:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
+        group, rank = divmod(rank, self.group_size)
         stage, dp, inner = grid_coords(rank, self.dp, self.tp * self.ulysses_size)
-        return RankCoords(pp=stage, dp=dp, tp=inner if self.tp > 1 else 0, sp=inner if self.ulysses_size > 1 else 0)
+        return RankCoords(
+            pp=stage, dp=dp, tp=inner if self.tp > 1 else 0, sp=inner if self.ulysses_size > 1 else 0, group=group
+        )
 
     def rank_at(self, coords: RankCoords) -> int:
         """The global rank at ``coords`` (the inverse of :meth:`coords`)."""
@@ -518,7 +541,15 @@ class Plan:
             return sum(r.depth for r in self.replicas[: coords.dp]) + coords.pp
         if self.dp is None:
             raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
-        return (coords.pp * self.dp + coords.dp) * self.tp * self.ulysses_size + coords.tp + coords.sp
+        inner = (coords.pp * self.dp + coords.dp) * self.tp * self.ulysses_size + coords.tp + coords.sp
+        return coords.group * self.group_size + inner
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per group of a resolved grid Plan (every rank when there are no Plan.groups)."""
+        if self.dp is None:
+            raise PlanError("Plan.dp is unknown: call Plan.resolve(world_size) first.")
+        return self.dp * self.model_parallel_size
 
     def device_of(self, rank: int) -> int:
         """The cluster device (file order) that ``rank`` runs on."""
@@ -537,6 +568,19 @@ class Plan:
         """Samples each data-parallel rank (each replica) takes of every global batch, by share."""
         return split_batch(global_batch_size, self.shares())
 
+    def batch_split(self, global_batch_size: int) -> list[int]:
+        """Samples of every global batch per data-parallel rank of the whole job: group after group under
+        Plan.groups (split by ``groups.shares``, then by ``dp_shares`` inside each group)."""
+        if self.groups is None:
+            return self.samples_per_rank(global_batch_size)
+        per_group = split_batch(global_batch_size, self.groups.group_shares())
+        return [n for samples in per_group for n in split_batch(samples, self.shares())]
+
+    def data_rank(self, rank: int) -> int:
+        """Which entry of :meth:`batch_split` ``rank`` reads."""
+        coords = self.coords(rank)
+        return coords.group * len(self.shares()) + coords.dp
+
     def replica_ranks(self, index: int) -> list[int]:
         """The global ranks of replica ``index`` of a ``Plan.replicas`` plan, in stage order."""
         assert self.replicas is not None
@@ -544,6 +588,11 @@ class Plan:
 
     def check_composable(self) -> None:
         """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
+        if self.groups is not None and (self.pp > 1 or self.replicas is not None):
+            raise NotSupportedYet(
+                "Plan.groups with pipeline stages (Plan.pp > 1 or Plan.replicas) is not supported yet: lay each group "
+                "out with data, ZeRO or tensor parallelism."
+            )
         if self.ulysses_size > 1 and self.tp > 1:
             raise NotSupportedYet(
                 f"Plan.sp={self.sp} (all_to_all) together with Plan.tp={self.tp} is not supported yet: use one, "

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tessera.cluster.spec import Cluster
 
 from tessera.errors import PlanError
+from tessera.groups import Groups
 from tessera.plan import PipelineSpec, Plan
 
 
@@ -25,9 +26,14 @@ def _shares(dp_shares: Sequence[int] | None) -> tuple[int, ...] | None:
     return tuple(dp_shares) if dp_shares is not None else None
 
 
-def DDP(precision: str = "fp32", dp_shares: Sequence[int] | None = None, device: str = "auto") -> Plan:
-    """Plain data parallelism: every rank holds the whole model and optimizer."""
-    return Plan(zero=0, precision=precision, dp_shares=_shares(dp_shares), device=device)
+def DDP(
+    precision: str = "fp32",
+    dp_shares: Sequence[int] | None = None,
+    device: str = "auto",
+    groups: Groups | None = None,
+) -> Plan:
+    """Plain data parallelism: every rank holds the whole model and optimizer (in each of ``groups``)."""
+    return Plan(zero=0, precision=precision, dp_shares=_shares(dp_shares), device=device, groups=groups)
 
 
 def ZeRO(
@@ -36,11 +42,15 @@ def ZeRO(
     precision: str = "fp32",
     dp_shares: Sequence[int] | None = None,
     device: str = "auto",
+    groups: Groups | None = None,
 ) -> Plan:
-    """ZeRO data parallelism: stage 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    """ZeRO data parallelism: stage 1 shards optimizer state, 2 also gradients, 3 also parameters (over the
+    data-parallel ranks of each of ``groups``, when given)."""
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise PlanError(f"ZeRO(stage={stage!r}): stage must be 1, 2 or 3 (use tessera.DDP() for stage 0).")
-    return Plan(zero=stage, offload=offload, precision=precision, dp_shares=_shares(dp_shares), device=device)
+    return Plan(
+        zero=stage, offload=offload, precision=precision, dp_shares=_shares(dp_shares), device=device, groups=groups
+    )
 
 
 def Hybrid(

@@ -76,6 +76,7 @@ class BoostedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
         self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
         self.skipped_steps = 0
+        self.outer: Any = None  # Plan.groups: an OuterSync told of every step (tessera.parallel.outer)
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -93,13 +94,16 @@ class BoostedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError("Tessera optimizers do not take a closure: compute the loss before step().")
         align_grad_placements(self.model_params)
+        overflow = False
         if self.scaler is not None:
             overflow = self.scaler.unscale_(self.model_params)
             self.scaler.update()
             if overflow:
                 self.skipped_steps += 1  # parameters and optimizer state stay untouched
-                return None
-        self.inner.step()
+        if not overflow:
+            self.inner.step()
+        if self.outer is not None:
+            self.outer.after_inner_step()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,88 @@
+"""Groups of ranks that train apart and meet at an outer synchronisation (regions joined by slow links).
+
+``Plan.groups`` splits the ranks into ``count`` groups of equal size, in rank order (group g holds
+ranks ``g × size … (g + 1) × size − 1``). Inside a group the rest of the Plan applies as it does to a
+whole job (dp, ZeRO, tp, uneven shares); across groups, ``sync`` says how they meet:
+
+- ``diloco`` (Douillard et al., 2023): each group takes ``inner_steps`` (H) steps with its own
+  optimizer; then the groups average their parameter change since the last sync (the outer
+  gradient) and an outer optimizer, SGD with Nesterov momentum by default (lr 0.7, momentum 0.9),
+  applies it to the weights they last agreed on. The only traffic across groups is one
+  all-reduce of the parameters every H steps.
+- ``none``: isolated islands that never meet (merge their checkpoints afterwards).
+
+``shares`` splits each global batch over the groups (samples, as ``dp_shares`` does inside one).
+
+Example:
+    >>> plan = Plan(zero=2, groups=Groups(count=2, sync="diloco", inner_steps=50))
+    >>> plan.resolve(world_size=8).dp   # four data-parallel ranks in each of the two groups
+    4
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.errors import PlanError, nearest
+from tessera.inputs import shown
+
+SYNCS = ("diloco", "none")
+MAX_GROUPS = 1 << 16
+MAX_INNER_STEPS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Ranks split into ``count`` equal groups that synchronise as ``sync`` says (module docstring)."""
+
+    count: int = 2
+    sync: str = "diloco"
+    inner_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    shares: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shares, list):
+            object.__setattr__(self, "shares", tuple(self.shares))
+        _positive_int("groups.count", self.count, MAX_GROUPS)
+        if self.sync not in SYNCS:
+            raise PlanError(
+                f"Plan.groups.sync={self.sync!r} is not one of {', '.join(SYNCS)}{nearest(str(self.sync), SYNCS)}."
+            )
+        _positive_int("groups.inner_steps", self.inner_steps, MAX_INNER_STEPS)
+        _number("groups.outer_lr", self.outer_lr, positive=True)
+        _number("groups.outer_momentum", self.outer_momentum)
+        if not self.outer_momentum < 1:
+            raise PlanError(f"Plan.groups.outer_momentum must be in [0, 1), got {self.outer_momentum}.")
+        if not isinstance(self.nesterov, bool):
+            raise PlanError(f"Plan.groups.nesterov must be true or false, got {shown(self.nesterov)}.")
+        if self.nesterov and self.outer_momentum == 0:
+            raise PlanError("Plan.groups.nesterov=true needs outer_momentum > 0 (Nesterov is a kind of momentum).")
+        if self.shares is not None:
+            if not isinstance(self.shares, tuple) or len(self.shares) != self.count:
+                raise PlanError(
+                    f"Plan.groups.shares must list one positive integer per group ({self.count}), "
+                    f"got {shown(self.shares)}."
+                )
+            for i, share in enumerate(self.shares):
+                _positive_int(f"groups.shares[{i}]", share, MAX_INNER_STEPS)
+
+    def group_shares(self) -> tuple[int, ...]:
+        """Relative samples per group (all ones when even)."""
+        return self.shares if self.shares is not None else (1,) * self.count
+
+
+def _positive_int(name: str, value: Any, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise PlanError(f"Plan.{name} must be an integer from 1 to {maximum}, got {shown(value)}.")
+
+
+def _number(name: str, value: Any, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanError(f"Plan.{name} must be a finite number, got {shown(value)}.")
+    if value < 0 or (positive and value == 0):
+        raise PlanError(f"Plan.{name} must be {'> 0' if positive else '>= 0'}, got {value}.")

@@ -1,0 +1,186 @@
+"""Plan.groups: groups of ranks that train apart and meet at DiLoCo's outer step (issue 14, part 1).
+
+Every case runs on 4 real gloo ranks (2 groups × 2 data-parallel ranks) in one launch and is
+compared with plain single-process PyTorch: synchronous SGD where DiLoCo must reduce to it, and
+a single-process replay of DiLoCo itself (two model copies, each with its own optimizer) where
+it must not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import TokenData, build_model, global_batches, loss_fn, run_shared
+
+from tessera import Plan, PlanError
+from tessera.errors import NotSupportedYet
+from tessera.groups import Groups
+
+GLOBAL_BATCH, STEPS, GROUPS = 8, 4, 2
+SGD_LR, ADAM_LR = 0.1, 3e-3
+
+
+def _inner_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR)
+    return torch.optim.AdamW(params, lr=ADAM_LR, eps=1e-6)
+
+
+def groups_worker(plan_dict: dict, inner: str) -> dict:
+    """Train ``plan_dict`` through the Booster; every rank returns the losses and its group's full weights."""
+    import tessera
+
+    model = build_model("llama")
+    booster = tessera.Booster(Plan.from_dict(plan_dict))
+    model, opt = booster.boost(model, _inner_optimizer(inner, model.parameters()))
+    losses = []
+    for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH, seed=0)):
+        if step == STEPS:
+            break
+        loss = loss_fn(model(batch["x"]), batch["y"])
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(booster.reduce_loss(loss)))
+    return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index}
+
+
+def synchronous_reference(steps: int) -> dict:
+    """Plain SGD over the whole global batch, one process."""
+    model = build_model("llama")
+    opt = _inner_optimizer("sgd", model.parameters())
+    losses = []
+    for x, y in global_batches(TokenData(), GLOBAL_BATCH, steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [dict(model.state_dict())] * GROUPS}
+
+
+def diloco_reference(inner: str, steps: int, spec: Groups | None) -> dict:
+    """DiLoCo replayed in one process: a model and an optimizer per group, each taking its part of every
+    global batch; every ``spec.inner_steps`` the outer SGD steps the agreed weights by the mean change
+    (``spec`` None: the groups never meet)."""
+    models = [build_model("llama") for _ in range(GROUPS)]
+    inners = [_inner_optimizer(inner, m.parameters()) for m in models]
+    agreed = [p.detach().clone() for p in models[0].parameters()]
+    outer = (
+        torch.optim.SGD(agreed, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.nesterov)
+        if spec
+        else None
+    )
+    losses = []
+    for t, (x, y) in enumerate(global_batches(TokenData(), GLOBAL_BATCH, steps)):
+        parts = []
+        for model, opt, xs, ys in zip(models, inners, x.chunk(GROUPS), y.chunk(GROUPS)):
+            loss = loss_fn(model(xs), ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            parts.append(loss.item())
+        losses.append(sum(parts) / GROUPS)
+        if outer is not None and spec is not None and (t + 1) % spec.inner_steps == 0:
+            with torch.no_grad():
+                for i, a in enumerate(agreed):
+                    a.grad = sum(a - list(m.parameters())[i] for m in models) / GROUPS
+                outer.step()
+                outer.zero_grad()
+                for m in models:
+                    for p, a in zip(m.parameters(), agreed):
+                        p.copy_(a)
+    return {"losses": losses, "params": [dict(m.state_dict()) for m in models]}
+
+
+def _plan(zero: int = 0, **groups) -> dict:
+    return {"zero": zero, "groups": groups}
+
+
+DILOCO = {"count": GROUPS, "sync": "diloco", "inner_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+CASES = {
+    # H = 1, inner SGD without momentum, outer lr 1 and no outer momentum: synchronous SGD
+    "diloco reduces to sync sgd": (
+        _plan(**{**DILOCO, "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}),
+        "sgd",
+    ),
+    "diloco adamw h2": (_plan(**DILOCO), "adamw"),
+    "diloco adamw h2 zero3": (_plan(zero=3, **DILOCO), "adamw"),
+    "islands": (_plan(count=GROUPS, sync="none"), "adamw"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    return run_shared(4, {name: (groups_worker, (plan, inner)) for name, (plan, inner) in CASES.items()})
+
+
+def _same(got: list[dict], want: dict) -> None:
+    """Every rank's losses equal the reference's, and its group's weights equal that group's there."""
+    for rank, result in enumerate(got):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-5)
+        expected = want["params"][result["group"]]
+        assert result["params"].keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}"
+            )
+
+
+def test_diloco_with_one_inner_sgd_step_is_synchronous_sgd(runs: dict) -> None:
+    got = runs["diloco reduces to sync sgd"]
+    assert [r["group"] for r in got] == [0, 0, 1, 1]
+    _same(got, synchronous_reference(STEPS))
+
+
+@pytest.mark.parametrize("case", ["diloco adamw h2", "diloco adamw h2 zero3"])
+def test_diloco_with_adamw_equals_its_single_process_replay(runs: dict, case: str) -> None:
+    """Each group's AdamW follows its own gradients, so this is not synchronous training: it must equal
+    DiLoCo replayed in one process, under DDP and under ZeRO-3 (the outer step works on shards)."""
+    _same(runs[case], diloco_reference("adamw", STEPS, Groups(**DILOCO)))
+
+
+def test_islands_never_meet(runs: dict) -> None:
+    got = runs["islands"]
+    _same(got, diloco_reference("adamw", STEPS, None))
+    assert not torch.equal(
+        got[0]["params"]["layers.0.attention.wq.weight"], got[2]["params"]["layers.0.attention.wq.weight"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("groups", "world", "error", "match"),
+    [
+        ({"inner_steps": 0}, 4, PlanError, "inner_steps must be an integer from 1"),
+        ({"count": 3}, 4, PlanError, "count=3 does not divide the 4 ranks"),
+        ({"sync": "diloko"}, 4, PlanError, 'did you mean "diloco"'),
+        ({"shares": [1, 2, 3]}, 4, PlanError, "one positive integer per group"),
+        ({"outer_momentum": 1.0}, 4, PlanError, r"outer_momentum must be in \[0, 1\)"),
+        ({"outer_lr": float("nan")}, 4, PlanError, "outer_lr must be a finite number"),
+        ({"inner_step": 5}, 4, PlanError, 'did you mean "inner_steps"'),
+    ],
+)
+def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        Plan.from_dict({"groups": groups}).resolve(world)
+
+
+def test_groups_with_a_pipeline_are_refused_until_supported() -> None:
+    with pytest.raises(NotSupportedYet, match="Plan.groups with pipeline stages"):
+        Plan.from_dict({"pp": 2, "pipeline": {"microbatches": 2}, "groups": {"count": 2}}).resolve(8)
+
+
+def test_a_groups_rank_layout_is_group_major() -> None:
+    plan = Plan(tp=2, groups=Groups(count=2, shares=(3, 1))).resolve(8)
+    assert plan.dp == 2 and plan.mesh_shape() == ((2, 2, 2), ("group", "dp", "tp"))
+    assert [plan.coords(r).group for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert all(plan.rank_at(plan.coords(r)) == r for r in range(8))
+    assert plan.batch_split(16) == [6, 6, 2, 2]
+    assert [plan.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_tessera_train_refuses_groups_until_it_checkpoints_them() -> None:
+    from tessera.train.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="plan.groups"):
+        parse_config({"plan": {"preset": "ddp", "groups": {"count": 2}}})
