@@ -63,6 +63,7 @@ class Booster:
         self.dp_rank, self.sp_rank = coords.dp, coords.sp  # which samples, which slice of each sequence
         self.group_index = coords.group  # under Plan.groups: which group this rank trains in
         shares = self.plan.shares()
+        self._share_weight = shares[self.dp_rank] * len(shares) / sum(shares)  # inside this rank's group
         self.hooks = hooks if hooks is not None else Hooks()
         self.hooks.bind(self.plan, dist.get_rank())
         self._ctx = Context(
@@ -75,8 +76,9 @@ class Booster:
             missing_policy=lambda feature: PlanError(feature),
             scaler=DynamicLossScaler() if self.plan.precision == "fp16" else None,
             # Each rank's loss is a mean over its own samples; weight it by its share so the
-            # averaged gradient is the gradient of the mean over the whole global batch.
-            loss_weight=shares[self.dp_rank] * len(shares) / sum(shares),
+            # averaged gradient is the gradient of the mean over the whole global batch (its group's
+            # batch when the groups train apart).
+            loss_weight=self._share_weight * self._across_weight(),
         )
         self.engine: Engine = (
             ReplicasEngine(self._ctx)
@@ -127,13 +129,20 @@ class Booster:
         if optimizer is None:
             return wrapped, None
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
-        if self.plan.groups is not None:  # the outer synchronisation runs after the inner optimizer's steps
+        if self.plan.groups is not None and self.plan.groups.sync != "every_step":  # after the inner steps
             weights = self._group_weights()
             group = self._ctx.meshes.group("group")
             self._ctx.optimizer.outer = OuterSync(
                 list(wrapped.parameters()), group, self.plan.groups, weights, self.group_index
             )
         return wrapped, self._ctx.optimizer
+
+    def _across_weight(self) -> float:
+        """What this group's share of the batch weighs in gradients averaged across groups every step."""
+        groups = self.plan.groups
+        if groups is None or groups.sync != "every_step":
+            return 1.0
+        return self._group_weights()[self.group_index] * groups.count
 
     def _group_weights(self) -> list[float]:
         """Each group's share of the global batch (they sum to 1)."""
@@ -222,7 +231,7 @@ class Booster:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean loss over the whole global batch (every rank gets the same value)."""
-        value = self.engine.reduce_loss(distributed.local(loss.detach()).float() * self.loss_weight)
+        value = self.engine.reduce_loss(distributed.local(loss.detach()).float() * self._share_weight)
         if self.plan.groups is not None:  # each group's mean, weighted by its share of the batch
             value *= self._group_weights()[self.group_index]
             dist.all_reduce(value, group=self._ctx.meshes.group("group"))

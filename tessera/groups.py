@@ -4,11 +4,19 @@
 ranks ``g × size … (g + 1) × size − 1``). Inside a group the rest of the Plan applies as it does to a
 whole job (dp, ZeRO, tp, uneven shares); across groups, ``sync`` says how they meet:
 
+- ``every_step``: synchronous training, the gradients averaged over every group at every step,
+  hierarchically: reduced inside each group, only a slice per rank across groups, then gathered
+  inside (:mod:`tessera.parallel.hierarchical`).
 - ``diloco`` (Douillard et al., 2023): each group takes ``inner_steps`` (H) steps with its own
   optimizer; then the groups average their parameter change since the last sync (the outer
   gradient) and an outer optimizer, SGD with Nesterov momentum by default (lr 0.7, momentum 0.9),
   applies it to the weights they last agreed on. The only traffic across groups is one
   all-reduce of the parameters every H steps.
+- ``streaming`` (Streaming DiLoCo, Douillard et al., 2025): the parameters in ``fragments``
+  contiguous runs, one synced every ``inner_steps / fragments`` steps in turn, so each still
+  syncs every H steps and the link carries a fragment at a time. With ``delay`` τ > 0 the
+  transfer overlaps the next τ inner steps; when it lands, the fragment becomes the new agreed
+  weights plus what those τ steps changed locally (the paper mixes the two with a factor α).
 - ``none``: isolated islands that never meet (merge their checkpoints afterwards).
 
 ``shares`` splits each global batch over the groups (samples, as ``dp_shares`` does inside one).
@@ -28,7 +36,7 @@ from typing import Any
 from tessera.errors import PlanError, nearest
 from tessera.inputs import shown
 
-SYNCS = ("diloco", "none")
+SYNCS = ("every_step", "diloco", "streaming", "none")
 MAX_GROUPS = 1 << 16
 MAX_INNER_STEPS = 1 << 24
 
@@ -44,6 +52,8 @@ class Groups:
     outer_momentum: float = 0.9
     nesterov: bool = True
     shares: tuple[int, ...] | None = None
+    fragments: int = 1
+    delay: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.shares, list):
@@ -62,6 +72,24 @@ class Groups:
             raise PlanError(f"Plan.groups.nesterov must be true or false, got {shown(self.nesterov)}.")
         if self.nesterov and self.outer_momentum == 0:
             raise PlanError("Plan.groups.nesterov=true needs outer_momentum > 0 (Nesterov is a kind of momentum).")
+        _positive_int("groups.fragments", self.fragments, MAX_INNER_STEPS)
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 0:
+            raise PlanError(f"Plan.groups.delay must be a whole number of inner steps >= 0, got {shown(self.delay)}.")
+        if self.sync != "streaming" and (self.fragments != 1 or self.delay):
+            raise PlanError(
+                f"Plan.groups.fragments={self.fragments} and delay={self.delay} are Streaming DiLoCo's: set "
+                "sync: streaming, or leave them at 1 and 0."
+            )
+        if self.inner_steps % self.fragments:
+            raise PlanError(
+                f"Plan.groups.fragments={self.fragments} does not divide inner_steps={self.inner_steps}: fragments "
+                "take turns, one every inner_steps / fragments steps."
+            )
+        if self.delay >= self.inner_steps // self.fragments:
+            raise PlanError(
+                f"Plan.groups.delay={self.delay} must be below inner_steps / fragments = "
+                f"{self.inner_steps // self.fragments}: a fragment's transfer lands before the next one leaves."
+            )
         if self.shares is not None:
             if not isinstance(self.shares, tuple) or len(self.shares) != self.count:
                 raise PlanError(

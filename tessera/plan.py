@@ -588,6 +588,11 @@ class Plan:
 
     def check_composable(self) -> None:
         """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
+        if self.groups is not None and self.groups.sync == "every_step" and (self.tp > 1 or self.ulysses_size > 1):
+            raise NotSupportedYet(
+                "Plan.groups.sync='every_step' with tensor or Ulysses sequence parallelism inside the groups is not "
+                "supported yet: use data parallelism or ZeRO inside them, or sync: diloco."
+            )
         if self.groups is not None and (self.pp > 1 or self.replicas is not None):
             raise NotSupportedYet(
                 "Plan.groups with pipeline stages (Plan.pp > 1 or Plan.replicas) is not supported yet: lay each group "

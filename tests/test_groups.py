@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import TokenData, build_model, global_batches, loss_fn, run_shared
+from parity import TokenData, build_model, global_batches, loss_fn, reference_run, run_shared
 
 from tessera import Plan, PlanError
 from tessera.errors import NotSupportedYet
@@ -26,7 +26,7 @@ def _inner_optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=ADAM_LR, eps=1e-6)
 
 
-def groups_worker(plan_dict: dict, inner: str) -> dict:
+def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
     """Train ``plan_dict`` through the Booster; every rank returns the losses and its group's full weights."""
     import tessera
 
@@ -35,7 +35,7 @@ def groups_worker(plan_dict: dict, inner: str) -> dict:
     model, opt = booster.boost(model, _inner_optimizer(inner, model.parameters()))
     losses = []
     for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH, seed=0)):
-        if step == STEPS:
+        if step == steps:
             break
         loss = loss_fn(model(batch["x"]), batch["y"])
         booster.backward(loss, opt)
@@ -59,20 +59,38 @@ def synchronous_reference(steps: int) -> dict:
     return {"losses": losses, "params": [dict(model.state_dict())] * GROUPS}
 
 
-def diloco_reference(inner: str, steps: int, spec: Groups | None) -> dict:
-    """DiLoCo replayed in one process: a model and an optimizer per group, each taking its part of every
-    global batch; every ``spec.inner_steps`` the outer SGD steps the agreed weights by the mean change
-    (``spec`` None: the groups never meet)."""
+def outer_reference(inner: str, steps: int, spec: Groups | None) -> dict:
+    """DiLoCo (and Streaming DiLoCo) replayed in one process: a model and an optimizer per group, each
+    taking its part of every global batch. Fragment f of the parameters (contiguous runs) leaves at
+    steps (f + 1)·H/F, then every H: its mean change (agreed − current) steps the agreed weights with
+    the outer SGD ``delay`` steps later, and the groups continue from them plus what those steps
+    changed locally. ``spec`` None: the groups never meet."""
     models = [build_model("llama") for _ in range(GROUPS)]
     inners = [_inner_optimizer(inner, m.parameters()) for m in models]
-    agreed = [p.detach().clone() for p in models[0].parameters()]
-    outer = (
-        torch.optim.SGD(agreed, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.nesterov)
-        if spec
-        else None
-    )
+    params = [list(m.parameters()) for m in models]
+    agreed = [p.detach().clone() for p in params[0]]
+    fragments = spec.fragments if spec else 1
+    size, extra = divmod(len(agreed), fragments)
+    bounds = [f * size + min(f, extra) for f in range(fragments + 1)]
+    runs = list(zip(bounds, bounds[1:]))
+    outers = [
+        torch.optim.SGD(agreed[a:b], lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.nesterov)
+        for a, b in runs
+    ] if spec else []  # fmt: skip
+    in_flight: dict[int, tuple[int, list, list]] = {}  # fragment -> (due step, mean change, pieces as sent)
+
+    def land(f: int) -> None:
+        (a, b), (_, change, sent) = runs[f], in_flight.pop(f)
+        for i, g in zip(range(a, b), change):
+            agreed[i].grad = g
+        outers[f].step()
+        outers[f].zero_grad()
+        for k in range(GROUPS):
+            for j, i in enumerate(range(a, b)):
+                params[k][i].copy_(agreed[i] + (params[k][i] - sent[k][j]) if spec.delay else agreed[i])
+
     losses = []
-    for t, (x, y) in enumerate(global_batches(TokenData(), GLOBAL_BATCH, steps)):
+    for t, (x, y) in enumerate(global_batches(TokenData(), GLOBAL_BATCH, steps), start=1):
         parts = []
         for model, opt, xs, ys in zip(models, inners, x.chunk(GROUPS), y.chunk(GROUPS)):
             loss = loss_fn(model(xs), ys)
@@ -81,15 +99,20 @@ def diloco_reference(inner: str, steps: int, spec: Groups | None) -> dict:
             opt.zero_grad()
             parts.append(loss.item())
         losses.append(sum(parts) / GROUPS)
-        if outer is not None and spec is not None and (t + 1) % spec.inner_steps == 0:
-            with torch.no_grad():
-                for i, a in enumerate(agreed):
-                    a.grad = sum(a - list(m.parameters())[i] for m in models) / GROUPS
-                outer.step()
-                outer.zero_grad()
-                for m in models:
-                    for p, a in zip(m.parameters(), agreed):
-                        p.copy_(a)
+        if spec is None:
+            continue
+        with torch.no_grad():
+            for f in [f for f, (due, _, _) in in_flight.items() if t >= due]:
+                land(f)
+            turn = spec.inner_steps // fragments
+            for f, (a, b) in enumerate(runs):
+                first = (f + 1) * turn
+                if t >= first and (t - first) % spec.inner_steps == 0:
+                    change = [sum(agreed[i] - params[k][i] for k in range(GROUPS)) / GROUPS for i in range(a, b)]
+                    sent = [[params[k][i].clone() for i in range(a, b)] for k in range(GROUPS)]
+                    in_flight[f] = (t + spec.delay, change, sent)
+                    if not spec.delay:
+                        land(f)
     return {"losses": losses, "params": [dict(m.state_dict()) for m in models]}
 
 
@@ -98,6 +121,10 @@ def _plan(zero: int = 0, **groups) -> dict:
 
 
 DILOCO = {"count": GROUPS, "sync": "diloco", "inner_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+# two fragments taking turns every 2 steps, each landing a step after it leaves: over 6 steps, fragment 0
+# leaves at 2 and lands at 3, fragment 1 leaves at 4 and lands at 5, fragment 0 leaves again at 6
+STREAMING = {**DILOCO, "sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1}
+STREAMING_STEPS = 6
 CASES = {
     # H = 1, inner SGD without momentum, outer lr 1 and no outer momentum: synchronous SGD
     "diloco reduces to sync sgd": (
@@ -107,12 +134,19 @@ CASES = {
     "diloco adamw h2": (_plan(**DILOCO), "adamw"),
     "diloco adamw h2 zero3": (_plan(zero=3, **DILOCO), "adamw"),
     "islands": (_plan(count=GROUPS, sync="none"), "adamw"),
+    "streaming one fragment": (_plan(**{**DILOCO, "sync": "streaming"}), "adamw"),
+    "streaming": (_plan(zero=3, **STREAMING), "adamw", STREAMING_STEPS),
+    # every step, hierarchically: synchronous training, whatever the layout inside the groups
+    "every step ddp": (_plan(count=GROUPS, sync="every_step"), "adamw"),
+    "every step zero1": (_plan(zero=1, count=GROUPS, sync="every_step"), "adamw"),
+    "every step zero3": (_plan(zero=3, count=GROUPS, sync="every_step"), "adamw"),
+    "every step ddp shares 3:1": (_plan(count=GROUPS, sync="every_step", shares=[3, 1]), "adamw"),
 }
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    return run_shared(4, {name: (groups_worker, (plan, inner)) for name, (plan, inner) in CASES.items()})
+    return run_shared(4, {name: (groups_worker, args) for name, args in CASES.items()})
 
 
 def _same(got: list[dict], want: dict) -> None:
@@ -137,12 +171,32 @@ def test_diloco_with_one_inner_sgd_step_is_synchronous_sgd(runs: dict) -> None:
 def test_diloco_with_adamw_equals_its_single_process_replay(runs: dict, case: str) -> None:
     """Each group's AdamW follows its own gradients, so this is not synchronous training: it must equal
     DiLoCo replayed in one process, under DDP and under ZeRO-3 (the outer step works on shards)."""
-    _same(runs[case], diloco_reference("adamw", STEPS, Groups(**DILOCO)))
+    _same(runs[case], outer_reference("adamw", STEPS, Groups(**DILOCO)))
+
+
+@pytest.mark.parametrize(
+    "case", ["every step ddp", "every step zero1", "every step zero3", "every step ddp shares 3:1"]
+)
+def test_every_step_groups_train_as_one_process(runs: dict, case: str) -> None:
+    """Hierarchical averaging (DDP's hook: reduce-scatter in a group, all-reduce across, all-gather in;
+    FSDP's HSDP mesh) equals one process on the whole batch, also when the groups take 6 and 2 samples."""
+    want = reference_run("llama", GLOBAL_BATCH, STEPS, lr=ADAM_LR)
+    _same(runs[case], {"losses": want["losses"], "params": [want["params"]] * GROUPS})
+
+
+def test_streaming_with_one_fragment_and_no_delay_is_diloco(runs: dict) -> None:
+    _same(runs["streaming one fragment"], outer_reference("adamw", STEPS, Groups(**DILOCO)))
+
+
+def test_streaming_fragments_take_turns_and_land_late(runs: dict) -> None:
+    """Two fragments, each synced every 4 steps in turn and landing a step after it leaves, under ZeRO-3:
+    equal to the same algorithm replayed in one process."""
+    _same(runs["streaming"], outer_reference("adamw", STREAMING_STEPS, Groups(**STREAMING)))
 
 
 def test_islands_never_meet(runs: dict) -> None:
     got = runs["islands"]
-    _same(got, diloco_reference("adamw", STEPS, None))
+    _same(got, outer_reference("adamw", STEPS, None))
     assert not torch.equal(
         got[0]["params"]["layers.0.attention.wq.weight"], got[2]["params"]["layers.0.attention.wq.weight"]
     )
@@ -158,6 +212,9 @@ def test_islands_never_meet(runs: dict) -> None:
         ({"outer_momentum": 1.0}, 4, PlanError, r"outer_momentum must be in \[0, 1\)"),
         ({"outer_lr": float("nan")}, 4, PlanError, "outer_lr must be a finite number"),
         ({"inner_step": 5}, 4, PlanError, 'did you mean "inner_steps"'),
+        ({"sync": "streaming", "inner_steps": 6, "fragments": 4}, 4, PlanError, "fragments=4 does not divide"),
+        ({"sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 2}, 4, PlanError, "delay=2 must be below"),
+        ({"sync": "diloco", "fragments": 2}, 4, PlanError, "set sync: streaming"),
     ],
 )
 def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, match: str) -> None:

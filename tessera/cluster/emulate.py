@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster
+from tessera.errors import NotSupportedYet
 from tessera.memory import SavedBytes, model_state_bytes
 from tessera.plan import Plan
 from tessera.runtime.hooks import Hooks
@@ -305,6 +306,11 @@ class EmulationHooks(Hooks):
         self.plan: Plan | None = None
 
     def bind(self, plan: Plan, rank: int) -> None:
+        if plan.groups is not None:
+            raise NotSupportedYet(
+                "emulating Plan.groups is not supported yet: the emulator does not pace the traffic across groups "
+                "(and DDP takes one communication hook: the groups' or the emulator's); run them without emulation."
+            )
         self.plan = plan
         self.emulator = Emulator.from_environment(self.cluster, plan.device_of(rank), plan.precision)
         self.emulator.recompute_full = plan.recompute == "full"

@@ -13,12 +13,14 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.distributed import accelerator_available
+from tessera.parallel.hierarchical import Hierarchy, hierarchical_all_reduce
 from tessera.plan import Plan
 from tessera.precision import DTYPES
 
@@ -62,9 +64,12 @@ def apply_data_parallel(
     mesh: DeviceMesh | None,
     device: torch.device,
     blocks: list[nn.Module] | None = None,
+    across: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh; None under
-    Plan.replicas); ``blocks``: its :func:`repeated_blocks`, when the caller has them already."""
+    Plan.replicas; 2-D (group, dp) for FSDP with every-step groups); ``blocks``: its
+    :func:`repeated_blocks`, when the caller has them already; ``across``: with every-step groups,
+    the group axis DDP's gradients also cross (hierarchically, :mod:`tessera.parallel.hierarchical`)."""
     blocks = blocks if blocks is not None else repeated_blocks(model)
     dtype = DTYPES[plan.precision]
     if not uses_fsdp(plan):
@@ -77,13 +82,16 @@ def apply_data_parallel(
             return model
         if plan.tp > 1:
             return _replicate(model, mesh, blocks)
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=mesh.get_group(),
             gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy
             bucket_cap_mb=BUCKET_BYTES / 2**20,
         )
+        if across is not None:
+            ddp.register_comm_hook(Hierarchy(mesh.get_group(), across), hierarchical_all_reduce)
+        return ddp
     mp = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if dtype != torch.float32

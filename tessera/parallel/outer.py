@@ -18,51 +18,100 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.distributed import local
+from tessera.errors import PlanError
 from tessera.groups import Groups
+
+
+class _Fragment:
+    """A contiguous run of the parameters, synced on its own turn: its agreed weights, their outer
+    optimizer, and the transfer in flight (its all-reduce, when its result is due, and the pieces as
+    they were when it left)."""
+
+    def __init__(self, pieces: list[torch.Tensor], spec: Groups) -> None:
+        self.pieces = pieces
+        self.agreed = [piece.detach().clone().float() for piece in pieces]  # fp32: the outer optimizer's
+        self.optimizer = torch.optim.SGD(self.agreed, lr=spec.outer_lr, momentum=spec.outer_momentum,
+                                         nesterov=spec.nesterov)  # fmt: skip
+        self.flat: torch.Tensor | None = None
+        self.work: Any = None
+        self.due = 0
+        self.sent: list[torch.Tensor] = []
 
 
 class OuterSync:
     """DiLoCo's outer loop over this rank's pieces of ``params``; ``group``: the ranks holding the same
-    pieces in the other groups; ``weights``: each group's share of the global batch (they sum to 1)."""
+    pieces in the other groups; ``weights``: each group's share of the global batch (they sum to 1).
+
+    Streaming DiLoCo (``spec.fragments`` > 1) syncs one fragment of the parameters every
+    ``inner_steps / fragments`` steps, in turn, so each still syncs every ``inner_steps``. With
+    ``spec.delay`` τ > 0 a fragment's all-reduce runs while the next τ inner steps compute; when it
+    lands, the fragment becomes the new agreed weights plus what those τ local steps changed."""
 
     def __init__(
         self, params: list[nn.Parameter], group: dist.ProcessGroup, spec: Groups, weights: list[float], index: int
     ) -> None:
         self.spec, self.group, self.weight = spec, group, weights[index]
-        self.pieces = [local(p) for p in params]
-        # fp32 copies of the agreed weights: the outer optimizer's parameters
-        self.agreed = [piece.detach().clone().float() for piece in self.pieces]
-        self.optimizer = torch.optim.SGD(
-            self.agreed, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.nesterov
-        )
-        self.inner_steps = 0  # since the last outer step
+        pieces = [local(p) for p in params]
+        if len(pieces) < spec.fragments:
+            raise PlanError(
+                f"Plan.groups.fragments={spec.fragments} but this rank holds {len(pieces)} parameter tensors: "
+                "use at most that many fragments."
+            )
+        size, extra = divmod(len(pieces), spec.fragments)
+        bounds = [f * size + min(f, extra) for f in range(spec.fragments + 1)]
+        self.fragments = [_Fragment(pieces[a:b], spec) for a, b in zip(bounds, bounds[1:])]
+        self.step = 0  # inner steps taken
 
     def after_inner_step(self) -> None:
-        """Count one inner optimizer step; every ``inner_steps`` of them, run the outer step."""
+        """Count one inner optimizer step; land the transfers due now, then send the fragments whose
+        turn it is (fragment f at steps (f + 1)·H/F, then every H)."""
         if self.spec.sync == "none":
             return
-        self.inner_steps += 1
-        if self.inner_steps >= self.spec.inner_steps:
-            self.outer_step()
+        self.step += 1
+        for fragment in self.fragments:
+            if fragment.work is not None and self.step >= fragment.due:
+                self._land(fragment)
+        turn = self.spec.inner_steps // self.spec.fragments
+        for f, fragment in enumerate(self.fragments):
+            first = (f + 1) * turn
+            if self.step >= first and (self.step - first) % self.spec.inner_steps == 0:
+                self._send(fragment)
 
     @torch.no_grad()
-    def outer_step(self) -> None:
-        """Average the outer gradients across groups (weighted by their batch shares), step the agreed
-        weights with the outer optimizer and continue every group from them."""
-        flat = torch.cat([(agreed - piece.float()).flatten() for agreed, piece in zip(self.agreed, self.pieces)])
+    def _send(self, fragment: _Fragment) -> None:
+        """Start averaging the fragment's outer gradient (agreed − current) across groups, weighted by their
+        batch shares."""
+        flat = torch.cat([(a - piece.float()).flatten() for a, piece in zip(fragment.agreed, fragment.pieces)])
         flat *= self.weight
-        dist.all_reduce(flat, group=self.group)
+        fragment.flat, fragment.due = flat, self.step + self.spec.delay
+        fragment.sent = [piece.clone() for piece in fragment.pieces] if self.spec.delay else []
+        fragment.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        if not self.spec.delay:
+            self._land(fragment)
+
+    @torch.no_grad()
+    def _land(self, fragment: _Fragment) -> None:
+        """Wait for the fragment's average, step its agreed weights with the outer optimizer and continue from
+        them (plus the local steps taken while it was in flight)."""
+        fragment.work.wait()
+        assert fragment.flat is not None
         offset = 0
-        for agreed in self.agreed:
-            agreed.grad = flat[offset : offset + agreed.numel()].view_as(agreed)
+        for agreed in fragment.agreed:
+            agreed.grad = fragment.flat[offset : offset + agreed.numel()].view_as(agreed)
             offset += agreed.numel()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for agreed, piece in zip(self.agreed, self.pieces):
-            piece.copy_(agreed)
-        self.inner_steps = 0
+        fragment.optimizer.step()
+        fragment.optimizer.zero_grad(set_to_none=True)
+        if fragment.sent:
+            for agreed, piece, sent in zip(fragment.agreed, fragment.pieces, fragment.sent):
+                piece.copy_(agreed + (piece - sent))
+        else:
+            for agreed, piece in zip(fragment.agreed, fragment.pieces):
+                piece.copy_(agreed)
+        fragment.flat, fragment.work, fragment.sent = None, None, []

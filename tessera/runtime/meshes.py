@@ -35,6 +35,26 @@ class Meshes:
             self._grad = self.mesh["dp", "sp"]._flatten("dp_sp")
         return self._grad
 
+    @property
+    def every_step(self) -> bool:
+        """Whether gradients are averaged across Plan.groups at every step (sync: every_step)."""
+        return self.plan.groups is not None and self.plan.groups.sync == "every_step"
+
+    @property
+    def across(self) -> dist.ProcessGroup | None:
+        """The ranks at this rank's place in every group, when gradients cross groups every step (DDP's
+        hierarchical hook reduces over it); None otherwise."""
+        return self.mesh.get_group("group") if self.every_step else None
+
+    @property
+    def sharding(self) -> DeviceMesh:
+        """The mesh the data-parallel wrapper spreads over: ``grad``, or with every-step groups and FSDP
+        the 2-D (group, dp) mesh (HSDP: sharded inside a group, replicated across). DDP keeps ``grad``
+        and crosses groups in its hook (``across``)."""
+        if self.every_step and self.plan.zero >= 2:
+            return self.mesh["group", "dp"]
+        return self.grad
+
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)
 

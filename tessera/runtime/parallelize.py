@@ -46,7 +46,9 @@ def parallelize(
         )
     blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
     apply_recompute(blocks, plan.recompute)
-    wrapped = data_parallel.apply_data_parallel(module, plan, meshes.grad if meshes else None, device, blocks)
+    wrapped = data_parallel.apply_data_parallel(
+        module, plan, meshes.sharding if meshes else None, device, blocks, across=meshes.across if meshes else None
+    )
     if meshes is not None and data_parallel.uses_fsdp(plan):
         hooks.on_sharded(module, blocks, meshes.grad_ranks())
     elif meshes is not None and isinstance(wrapped, DistributedDataParallel):
