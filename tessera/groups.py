@@ -19,6 +19,9 @@ whole job (dp, ZeRO, tp, uneven shares); across groups, ``sync`` says how they m
   weights plus what those τ steps changed locally (the paper mixes the two with a factor α).
 - ``none``: isolated islands that never meet (merge their checkpoints afterwards).
 
+``compression`` (``bf16``, ``int8`` or ``int4``, with error feedback) shrinks what DiLoCo and
+Streaming DiLoCo send (:mod:`tessera.parallel.compress`).
+
 ``shares`` splits each global batch over the groups (samples, as ``dp_shares`` does inside one).
 
 Example:
@@ -37,6 +40,7 @@ from tessera.errors import PlanError, nearest
 from tessera.inputs import shown
 
 SYNCS = ("every_step", "diloco", "streaming", "none")
+COMPRESSIONS = ("none", "bf16", "int8", "int4")  # tessera.parallel.compress
 MAX_GROUPS = 1 << 16
 MAX_INNER_STEPS = 1 << 24
 
@@ -54,6 +58,7 @@ class Groups:
     shares: tuple[int, ...] | None = None
     fragments: int = 1
     delay: int = 0
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.shares, list):
@@ -89,6 +94,16 @@ class Groups:
             raise PlanError(
                 f"Plan.groups.delay={self.delay} must be below inner_steps / fragments = "
                 f"{self.inner_steps // self.fragments}: a fragment's transfer lands before the next one leaves."
+            )
+        if self.compression not in COMPRESSIONS:
+            hint = nearest(str(self.compression), COMPRESSIONS)
+            raise PlanError(
+                f"Plan.groups.compression={self.compression!r} is not one of {', '.join(COMPRESSIONS)}{hint}."
+            )
+        if self.compression != "none" and self.sync not in ("diloco", "streaming"):
+            raise PlanError(
+                f"Plan.groups.compression={self.compression!r} compresses the outer gradients of sync: diloco or "
+                f"streaming; sync: {self.sync} sends none."
             )
         if self.shares is not None:
             if not isinstance(self.shares, tuple) or len(self.shares) != self.count:

@@ -27,6 +27,7 @@ from torch import nn
 from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.groups import Groups
+from tessera.parallel.compress import ErrorFeedback, sum_payloads
 
 
 class _Fragment:
@@ -40,6 +41,8 @@ class _Fragment:
         self.optimizer = torch.optim.SGD(self.agreed, lr=spec.outer_lr, momentum=spec.outer_momentum,
                                          nesterov=spec.nesterov)  # fmt: skip
         self.flat: torch.Tensor | None = None
+        self.gathered: torch.Tensor | None = None  # compressed: every group's payload, in group order
+        self.feedback = ErrorFeedback(spec.compression)
         self.work: Any = None
         self.due = 0
         self.sent: list[torch.Tensor] = []
@@ -92,7 +95,12 @@ class OuterSync:
         flat *= self.weight
         fragment.flat, fragment.due = flat, self.step + self.spec.delay
         fragment.sent = [piece.clone() for piece in fragment.pieces] if self.spec.delay else []
-        fragment.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        if self.spec.compression == "none":
+            fragment.work = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:  # quantised values do not add up where they are: gather every group's bytes, sum them here
+            payload = fragment.feedback.encode(flat)
+            fragment.gathered = payload.new_empty(dist.get_world_size(self.group) * payload.numel())  # gloo: 1-D
+            fragment.work = dist.all_gather_into_tensor(fragment.gathered, payload, group=self.group, async_op=True)
         if not self.spec.delay:
             self._land(fragment)
 
@@ -102,6 +110,9 @@ class OuterSync:
         them (plus the local steps taken while it was in flight)."""
         fragment.work.wait()
         assert fragment.flat is not None
+        if fragment.gathered is not None:
+            rows = fragment.gathered.view(dist.get_world_size(self.group), -1)
+            fragment.flat = sum_payloads(rows, self.spec.compression, fragment.flat.numel())
         offset = 0
         for agreed in fragment.agreed:
             agreed.grad = fragment.flat[offset : offset + agreed.numel()].view_as(agreed)
@@ -114,4 +125,4 @@ class OuterSync:
         else:
             for agreed, piece in zip(fragment.agreed, fragment.pieces):
                 piece.copy_(agreed)
-        fragment.flat, fragment.work, fragment.sent = None, None, []
+        fragment.flat, fragment.gathered, fragment.work, fragment.sent = None, None, None, []
