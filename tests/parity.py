@@ -138,6 +138,21 @@ def tessera_run(
     return {"losses": losses, "norms": norms, "params": state if rank0 else None, "grads": grads if rank0 else None}
 
 
+def plain_loop_losses(booster, model: nn.Module, opt, global_batch: int, steps: int) -> list[float]:
+    """The user's own loop through ``booster`` over ``steps`` global batches of TokenData (seed 0): forward,
+    backward, step; the mean loss over each global batch."""
+    losses = []
+    for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=global_batch, seed=0)):
+        if step == steps:
+            break
+        loss = loss_fn(model(batch["x"]), batch["y"])
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(booster.reduce_loss(loss)))
+    return losses
+
+
 def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full gradient, keyed like the unsplit model (gathered over every axis)."""
     import torch.distributed as dist

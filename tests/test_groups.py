@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import TokenData, build_model, global_batches, loss_fn, reference_run, run_shared
+from parity import TokenData, build_model, global_batches, loss_fn, plain_loop_losses, reference_run, run_shared
 
 from tessera import Plan, PlanError
 from tessera.errors import NotSupportedYet
@@ -34,15 +34,7 @@ def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
     model = build_model("llama")
     booster = tessera.Booster(Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, _inner_optimizer(inner, model.parameters()))
-    losses = []
-    for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH, seed=0)):
-        if step == steps:
-            break
-        loss = loss_fn(model(batch["x"]), batch["y"])
-        booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(booster.reduce_loss(loss)))
+    losses = plain_loop_losses(booster, model, opt, GLOBAL_BATCH, steps)
     return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index}
 
 

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, global_batches, loss_fn, run_shared
+from parity import GLOBAL_BATCH_DEFAULT, TokenData, build_model, global_batches, loss_fn, plain_loop_losses, run_shared
 
 import tessera
 from tessera.optim.lamb import LAMB
@@ -54,15 +54,7 @@ def sharded_worker(name: str, plan_dict: dict) -> dict:
     model = build_model("llama")
     booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, OPTIMIZERS[name](model.parameters()))
-    losses = []
-    for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=GLOBAL_BATCH_DEFAULT)):
-        if step == STEPS:
-            break
-        loss = loss_fn(model(batch["x"]), batch["y"])
-        booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(booster.reduce_loss(loss)))
+    losses = plain_loop_losses(booster, model, opt, GLOBAL_BATCH_DEFAULT, STEPS)
     state = booster.full_state_dict(model)
     return {"losses": losses, "params": state if dist.get_rank() == 0 else None}
 
