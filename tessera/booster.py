@@ -251,7 +251,7 @@ class Booster:
         sampler = ShareBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             global_batch_size,
-            self.plan.batch_split(global_batch_size) if self.plan.groups is not None else self.plan.shares(),
+            self.plan.batch_split(global_batch_size),  # samples per data rank: the shares, group after group
             self.plan.data_rank(dist.get_rank()),
             seed=seed,
             shuffle=shuffle,

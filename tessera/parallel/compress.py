@@ -24,10 +24,8 @@ _LEVELS = {"int8": 127, "int4": 7}
 
 
 def encode(values: torch.Tensor, kind: str) -> torch.Tensor:
-    """``values`` (1-D fp32) as the bytes ``kind`` sends (a uint8 tensor whose size depends only on
-    ``values.numel()``)."""
-    if kind == "none":
-        return values.contiguous().view(torch.uint8)
+    """``values`` (1-D fp32) as the bytes ``kind`` (bf16, int8 or int4) sends: a uint8 tensor whose size
+    depends only on ``values.numel()``. Uncompressed outer gradients are all-reduced, never encoded."""
     if kind == "bf16":
         return values.to(torch.bfloat16).contiguous().view(torch.uint8)
     levels = _LEVELS[kind]
@@ -45,8 +43,6 @@ def encode(values: torch.Tensor, kind: str) -> torch.Tensor:
 
 def decode(payload: torch.Tensor, kind: str, numel: int) -> torch.Tensor:
     """The fp32 values ``payload`` (from :func:`encode` of ``numel`` values) stands for."""
-    if kind == "none":
-        return payload.view(torch.float32)[:numel]
     if kind == "bf16":
         return payload.view(torch.bfloat16)[:numel].float()
     levels = _LEVELS[kind]
@@ -74,8 +70,6 @@ class ErrorFeedback:
         self.remainder: torch.Tensor | None = None
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
-        if self.kind == "none":
-            return encode(values, "none")
         if self.remainder is not None:
             values = values + self.remainder
         payload = encode(values, self.kind)

@@ -12,7 +12,7 @@ Each rank works on its local piece of each parameter (a ZeRO-3 or tensor-paralle
 groups are laid out alike, so the same rank of every group holds the same piece.
 
 Example:
-    >>> outer = OuterSync(list(model.parameters()), group_pg, Groups(count=2, inner_steps=50), weights=[0.5, 0.5])
+    >>> outer = OuterSync(list(model.parameters()), group_pg, Groups(count=2, inner_steps=50), [0.5, 0.5], index=0)
     >>> optimizer.step(); outer.after_inner_step()   # the Booster's optimizer does this itself
 """
 
