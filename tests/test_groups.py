@@ -12,7 +12,7 @@ import pytest
 import torch
 from parity import TokenData, build_model, global_batches, loss_fn, plain_loop_losses, reference_run, run_shared
 
-from tessera import Plan, PlanError
+from tessera import Plan, PlanError, ZeRO
 from tessera.errors import NotSupportedYet
 from tessera.groups import Groups
 from tessera.parallel.compress import ErrorFeedback, decode, encode
@@ -274,6 +274,9 @@ def test_a_groups_rank_layout_is_group_major() -> None:
     assert all(plan.rank_at(plan.coords(r)) == r for r in range(8))
     assert plan.batch_split(16) == [6, 6, 2, 2]
     assert [plan.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # the README's one line: the presets take groups
+    zero2 = ZeRO(stage=2, groups=Groups(count=2, sync="diloco", inner_steps=50)).resolve(8)
+    assert (zero2.zero, zero2.dp, zero2.groups.inner_steps) == (2, 4, 50)
 
 
 def test_tessera_train_refuses_groups_until_it_checkpoints_them() -> None:
