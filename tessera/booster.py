@@ -132,8 +132,9 @@ class Booster:
         if self.plan.groups is not None and self.plan.groups.sync != "every_step":  # after the inner steps
             weights = self._group_weights()
             group = self._ctx.meshes.group("group")
+            params = dict(data_parallel.unwrap(wrapped).named_parameters())
             self._ctx.optimizer.outer = OuterSync(
-                list(wrapped.parameters()), group, self.plan.groups, weights, self.group_index
+                params, group, self.plan.groups, weights, self.group_index, members=self._ctx.meshes.inside
             )
         return wrapped, self._ctx.optimizer
 

@@ -14,6 +14,11 @@ Layout of one checkpoint directory::
         rng_rank{r}.pt             each rank's RNG states (restored when the world size matches)
         meta.json                  step, world size, run id, plan — written last: marks the checkpoint complete
 
+Under ``Plan.groups`` with an outer sync (diloco, streaming, none) each group's weights differ between
+syncs, so each group writes its own DCP folder, ``group_<g>/``, holding also its outer state
+(``"outer"``: agreed weights, outer momentum, error feedback, a transfer in flight; see
+:meth:`~tessera.parallel.outer.OuterSync.state_dict`); meta.json's ``groups`` says how many.
+
 Checkpoints hold only data: every file is read through :mod:`tessera.checkpoint_readers` (tensors,
 numbers, strings, containers and DCP's metadata records), so a crafted file cannot run code on
 ``--resume``; it is refused.
@@ -52,7 +57,7 @@ from tessera.checkpoint_readers import (
     refusal_inside,
 )
 from tessera.data.sharding import map_tensors
-from tessera.errors import NotSupportedYet, RuntimeFault
+from tessera.errors import RuntimeFault
 from tessera.parallel.zero1 import ShardedOptimizer
 
 
@@ -93,18 +98,29 @@ def _inner(optimizer: Any) -> Any:
     return getattr(optimizer, "inner", optimizer)
 
 
-def _state_dicts(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    if getattr(optimizer, "outer", None) is not None:
-        raise NotSupportedYet(
-            "checkpoints of Plan.groups are not written yet: each group's weights differ between outer steps, "
-            "and the outer optimizer's state would be lost."
-        )
+def _outer(optimizer: Any) -> Any:
+    """The optimizer's outer sync across Plan.groups (an OuterSync), or None."""
+    return getattr(optimizer, "outer", None)
+
+
+def _state_dicts(model: nn.Module, optimizer: Any, outer_keys: set[str] | None = None) -> dict[str, Any]:
+    """What a checkpoint holds for this rank; ``outer_keys``: the outer state's entries a checkpoint holds,
+    to load into (None: this rank's outer state as it is, to save)."""
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):
         optim = inner.full_state_dict(_param_names(model))
     else:
         optim = get_optimizer_state_dict(model, inner)
-    return {"model": get_model_state_dict(model), "optim": optim}
+    state = {"model": get_model_state_dict(model), "optim": optim}
+    if (outer := _outer(optimizer)) is not None:
+        state["outer"] = outer.state_dict() if outer_keys is None else outer.state_template(outer_keys)
+    return state
+
+
+def _dcp_folder(path: Path, optimizer: Any) -> tuple[Path, dist.ProcessGroup | None]:
+    """Where this rank's DCP state lives in the checkpoint at ``path``, and the ranks that share it."""
+    outer = _outer(optimizer)
+    return (path, None) if outer is None else (path / f"group_{outer.index}", outer.members)
 
 
 def _storable(placements: tuple) -> tuple | None:
@@ -173,13 +189,17 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
             tmp.mkdir(parents=True)
         dist.barrier()
-        dcp.save(_to_storable(_state_dicts(model, optimizer)), checkpoint_id=str(tmp))
+        folder, members = _dcp_folder(tmp, optimizer)
+        folder.mkdir(exist_ok=True)
+        dcp.save(_to_storable(_state_dicts(model, optimizer)), checkpoint_id=str(folder), process_group=members)
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         faults.during_save(step)
         dist.barrier()
         if rank == 0:
             torch.save(trainer_state, tmp / "trainer.pt")
-            (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), **meta}))
+            groups = _outer(optimizer).spec.count if _outer(optimizer) is not None else None
+            record = {"step": step, "world_size": dist.get_world_size(), "groups": groups, **meta}
+            (tmp / "meta.json").write_text(json.dumps(record))
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         if not _disk_full(exc):
             raise
@@ -219,16 +239,55 @@ def _rng_state() -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- load
-def _check_same_model(path: Path, expected: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose parameter names or shapes differ: list every mismatch."""
+def _read_metadata(path: Path) -> Any:
+    """DCP's metadata of the state under ``path`` (refused with a clear error when unreadable)."""
     try:
-        metadata = DataOnlyReader(str(path)).read_metadata()
+        return DataOnlyReader(str(path)).read_metadata()
     except CheckpointError:
         raise
     except Exception as exc:  # unreadable or truncated metadata
         raise CheckpointError(
             f"checkpoint '{path}' is corrupted or unreadable ({type(exc).__name__}: {exc})."
         ) from None
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """meta.json: its world size and groups checked."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        if not isinstance(meta["world_size"], int) or not isinstance(meta.get("groups"), (int, type(None))):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, OSError):
+        raise CheckpointError(
+            f"'{path / 'meta.json'}' is corrupted: it does not say the checkpoint's world size and groups."
+        ) from None
+    return meta
+
+
+def _check_same_groups(path: Path, saved: int | None, optimizer: Any) -> None:
+    """Refuse a checkpoint of Plan.groups under a Plan with other groups, or none: each group's weights differ."""
+    outer = _outer(optimizer)
+    mine = outer.spec.count if outer is not None else None
+    if saved == mine:
+        return
+    if mine is None:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds {saved} groups' weights (Plan.groups with an outer sync), which differ "
+            f"between outer syncs: resume it with plan.groups.count={saved}."
+        )
+    if saved is None:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds one model, and this Plan's {mine} groups each keep their own weights and "
+            "outer state: resume it without plan.groups (or with sync: every_step); starting groups from one "
+            "model is not supported yet."
+        )
+    raise CheckpointError(
+        f"checkpoint '{path}' holds {saved} groups' weights and this Plan has {mine}: use plan.groups.count={saved}."
+    )
+
+
+def _check_same_model(path: Path, metadata: Any, expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose parameter names or shapes differ: list every mismatch."""
     saved = {
         k[len("model.") :]: tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()
@@ -268,12 +327,19 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
-    layout = _state_dicts(model, optimizer)
-    _check_same_model(path, layout["model"])
+    meta = _read_meta(path)
+    _check_same_groups(path, meta.get("groups"), optimizer)
+    folder, members = _dcp_folder(path, optimizer)
+    metadata = _read_metadata(folder)
+    outer_keys = {k.removeprefix("outer.") for k in metadata.state_dict_metadata if k.startswith("outer.")}
+    layout = _state_dicts(model, optimizer, outer_keys)
+    _check_same_model(folder, metadata, layout["model"])
     trainer_state = read_data(path / "trainer.pt")  # small and checked first: an unsafe file stops everything
     state = _to_storable(layout)
     try:
-        dcp.load(state, storage_reader=DataOnlyReader(str(path)), planner=DataOnlyLoadPlanner())
+        dcp.load(
+            state, storage_reader=DataOnlyReader(str(folder)), planner=DataOnlyLoadPlanner(), process_group=members
+        )
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         if (refused := refusal_inside(exc)) is not None:
             raise refused from None
@@ -289,13 +355,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         inner.load_full_state_dict(state["optim"], _param_names(model))
     else:
         set_optimizer_state_dict(model, inner, state["optim"])
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        same_world = meta["world_size"] == dist.get_world_size()
-    except (ValueError, KeyError, TypeError, OSError):
-        raise CheckpointError(
-            f"'{path / 'meta.json'}' is corrupted: it does not say the checkpoint's world size."
-        ) from None
+    if (outer := _outer(optimizer)) is not None:
+        outer.load_state_dict(state["outer"])
+    same_world = meta["world_size"] == dist.get_world_size()
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if same_world and rng_file.is_file():
         rng = read_data(rng_file)

@@ -52,9 +52,11 @@ def train_ranks(
     return run_ranks(train_worker, world, tiny_config(out_dir, steps, every, plan, stop_at, kind), fault)[0]
 
 
-def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint, flattened to 'model.x' / 'optim.state.x.exp_avg' keys."""
-    out = tmp / f"{path.parent.parent.name}-{path.name}.pt"
+def checkpoint_tensors(
+    path: Path, tmp: Path, prefixes: tuple[str, ...] = ("model.", "optim.state.")
+) -> dict[str, torch.Tensor]:
+    """The tensors of a DCP checkpoint under ``prefixes``, flattened to 'model.x' / 'optim.state.x.exp_avg' keys."""
+    out = tmp / f"{path.parent.parent.name}-{path.parent.name}-{path.name}.pt"
     dcp_to_torch_save(str(path), str(out))
     flat: dict[str, torch.Tensor] = {}
 
@@ -66,7 +68,7 @@ def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
 
     walk("", torch.load(out, weights_only=False))
-    return {k: v for k, v in flat.items() if k.startswith(("model.", "optim.state."))}
+    return {k: v for k, v in flat.items() if k.startswith(prefixes)}
 
 
 def ckpt(run: Path, step: int) -> Path:

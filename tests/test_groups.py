@@ -1,16 +1,20 @@
-"""Plan.groups: groups of ranks that train apart and meet at DiLoCo's outer step (issue 14, part 1).
+"""Plan.groups: groups of ranks that train apart and meet at DiLoCo's outer step (issue 14).
 
 Every case runs on 4 real gloo ranks (2 groups × 2 data-parallel ranks) in one launch and is
 compared with plain single-process PyTorch: synchronous SGD where DiLoCo must reduce to it, and
 a single-process replay of DiLoCo itself (two model copies, each with its own optimizer) where
-it must not.
+it must not. The same launch runs ``tessera train`` with groups: stopped between outer syncs and
+resumed, it ends bit for bit where the straight run does.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from parity import TokenData, build_model, global_batches, loss_fn, plain_loop_losses, reference_run, run_shared
+from test_checkpoint import checkpoint_tensors, ckpt, tiny_config, train_each
 
 from tessera import Plan, PlanError, ZeRO
 from tessera.errors import NotSupportedYet
@@ -149,9 +153,58 @@ CASES = {
 }
 
 
+# tessera train with groups: straight to step 8, and stopped after step 4 then resumed. At step 4 DiLoCo
+# (H = 3) is between syncs with outer momentum; Streaming's fragment 1 is in flight (it left at 4, lands
+# at 5) and fragment 0 has momentum and int8 error feedback.
+TRAIN_PLANS = {
+    "diloco ddp": {"preset": "ddp", "groups": {**DILOCO, "inner_steps": 3}},
+    "streaming zero3 int8": {"preset": "zero", "zero": 3, "groups": {**STREAMING, "compression": "int8"}},
+}
+TRAIN_STEPS, STOP_AT = 8, 4
+
+
+def train_stop_resume(root: str, plan: dict) -> list[dict]:
+    return train_each([
+        tiny_config(Path(root) / "straight", TRAIN_STEPS, 0, plan),
+        tiny_config(Path(root) / "split", TRAIN_STEPS, 0, plan, stop_at=STOP_AT),
+        tiny_config(Path(root) / "split", TRAIN_STEPS, 0, plan),
+    ])  # fmt: skip
+
+
+def refusals(root: str) -> list[str]:
+    """Resume ``tessera train`` runs under other groups: the errors, one per try."""
+    from tessera.checkpoint_readers import CheckpointError
+
+    grouped, plain = Path(root) / "grouped", Path(root) / "plain"
+    train_each([tiny_config(grouped, 1, 0, TRAIN_PLANS["diloco ddp"]), tiny_config(plain, 1, 0, {"preset": "ddp"})])
+    tries = [
+        tiny_config(grouped, 2, 0, {"preset": "ddp"}),
+        tiny_config(grouped, 2, 0, {"preset": "ddp", "groups": {**DILOCO, "count": 4}}),
+        tiny_config(plain, 2, 0, TRAIN_PLANS["diloco ddp"]),
+    ]
+    out = []
+    for config in tries:
+        try:
+            train_each([config])
+            out.append("no error")
+        except CheckpointError as exc:
+            out.append(str(exc))
+    return out
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    return run_shared(4, {name: (groups_worker, args) for name, args in CASES.items()})
+def train_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in [*TRAIN_PLANS, "refusals"]}
+
+
+@pytest.fixture(scope="module")
+def runs(train_roots: dict[str, Path]) -> dict[str, list]:
+    calls = {name: (groups_worker, args) for name, args in CASES.items()}
+    calls.update(
+        {f"train {name}": (train_stop_resume, (str(train_roots[name]), plan)) for name, plan in TRAIN_PLANS.items()}
+    )
+    calls["refusals"] = (refusals, (str(train_roots["refusals"]),))
+    return run_shared(4, calls)
 
 
 def _same(got: list[dict], want: dict, atol: float = 1e-5) -> None:
@@ -279,8 +332,37 @@ def test_a_groups_rank_layout_is_group_major() -> None:
     assert (zero2.zero, zero2.dp, zero2.groups.inner_steps) == (2, 4, 50)
 
 
-def test_tessera_train_refuses_groups_until_it_checkpoints_them() -> None:
-    from tessera.train.config import ConfigError, parse_config
+def _group_tensors(run: Path, step: int, group: int, tmp: Path) -> dict[str, torch.Tensor]:
+    return checkpoint_tensors(ckpt(run, step) / f"group_{group}", tmp, prefixes=("model.", "optim.state.", "outer."))
 
-    with pytest.raises(ConfigError, match="plan.groups"):
-        parse_config({"plan": {"preset": "ddp", "groups": {"count": 2}}})
+
+@pytest.mark.parametrize("case", list(TRAIN_PLANS))
+def test_tessera_train_with_groups_resumes_bit_for_bit_between_outer_syncs(
+    runs: dict, train_roots: dict, case: str, tmp_path: Path
+) -> None:
+    """Each group writes its own folder (weights, inner optimizer, outer state); stopped after step 4 and
+    resumed, the run reaches the straight run's step 8 bit for bit: losses, weights, AdamW and outer state."""
+    straight, stopped, resumed = runs[f"train {case}"][0]
+    assert resumed["resumed_from"].endswith(f"step_{STOP_AT:08d}")
+    assert resumed["last_loss"] == straight["last_loss"]
+    root = train_roots[case]
+    at_stop = [_group_tensors(root / "split", STOP_AT, g, tmp_path) for g in range(GROUPS)]
+    weight = "model.layers.0.attention.wq.weight"
+    assert not torch.equal(at_stop[0][weight], at_stop[1][weight])  # the groups were apart when it stopped
+    saved = {key.split(".")[1] for key in at_stop[0] if key.startswith("outer.")}
+    assert saved >= (
+        {"agreed", "momentum", "arrived", "sent", "remainder"} if "streaming" in case else {"agreed", "momentum"}
+    )
+    for group in range(GROUPS):
+        want = _group_tensors(root / "straight", TRAIN_STEPS, group, tmp_path)
+        got = _group_tensors(root / "split", TRAIN_STEPS, group, tmp_path)
+        assert got.keys() == want.keys() and any(k.endswith("exp_avg_sq") for k in want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"group {group}: {key} differs after stop + resume"
+
+
+def test_group_checkpoints_refuse_other_groups(runs: dict) -> None:
+    to_plain, to_four, from_plain = runs["refusals"][0]
+    assert "holds 2 groups' weights" in to_plain and "plan.groups.count=2" in to_plain
+    assert "this Plan has 4: use plan.groups.count=2" in to_four
+    assert "holds one model" in from_plain and "without plan.groups" in from_plain

@@ -11,8 +11,11 @@ outer lr 1 and no outer momentum this is synchronous SGD over the whole global b
 Each rank works on its local piece of each parameter (a ZeRO-3 or tensor-parallel shard):
 groups are laid out alike, so the same rank of every group holds the same piece.
 
+Its state (the agreed weights, the outer momentum, error feedback's remainders and a transfer in
+flight) is saved in each group's checkpoint by :meth:`OuterSync.state_dict`, keyed by parameter name.
+
 Example:
-    >>> outer = OuterSync(list(model.parameters()), group_pg, Groups(count=2, inner_steps=50), [0.5, 0.5], index=0)
+    >>> outer = OuterSync(dict(model.named_parameters()), across, Groups(count=2, inner_steps=50), [0.5, 0.5], 0)
     >>> optimizer.step(); outer.after_inner_step()   # the Booster's optimizer does this itself
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.distributed import local
 from tessera.errors import PlanError
@@ -35,8 +39,10 @@ class _Fragment:
     optimizer, and the transfer in flight (its all-reduce, when its result is due, and the pieces as
     they were when it left)."""
 
-    def __init__(self, pieces: list[torch.Tensor], spec: Groups) -> None:
-        self.pieces = pieces
+    def __init__(self, params: dict[str, nn.Parameter], spec: Groups) -> None:
+        self.names, self.params = list(params), list(params.values())
+        self.pieces = [local(p) for p in self.params]
+        pieces = self.pieces
         self.agreed = [piece.detach().clone().float() for piece in pieces]  # fp32: the outer optimizer's
         self.optimizer = torch.optim.SGD(self.agreed, lr=spec.outer_lr, momentum=spec.outer_momentum,
                                          nesterov=spec.nesterov)  # fmt: skip
@@ -49,8 +55,9 @@ class _Fragment:
 
 
 class OuterSync:
-    """DiLoCo's outer loop over this rank's pieces of ``params``; ``group``: the ranks holding the same
-    pieces in the other groups; ``weights``: each group's share of the global batch (they sum to 1).
+    """DiLoCo's outer loop over this rank's pieces of ``params`` (by name); ``group``: the ranks holding
+    the same pieces in the other groups; ``weights``: each group's share of the global batch (they sum
+    to 1); ``index``: this rank's group; ``members``: that group's ranks (they write its checkpoint).
 
     Streaming DiLoCo (``spec.fragments`` > 1) syncs one fragment of the parameters every
     ``inner_steps / fragments`` steps, in turn, so each still syncs every ``inner_steps``. With
@@ -58,18 +65,24 @@ class OuterSync:
     lands, the fragment becomes the new agreed weights plus what those τ local steps changed."""
 
     def __init__(
-        self, params: list[nn.Parameter], group: dist.ProcessGroup, spec: Groups, weights: list[float], index: int
+        self,
+        params: dict[str, nn.Parameter],
+        group: dist.ProcessGroup,
+        spec: Groups,
+        weights: list[float],
+        index: int,
+        members: dist.ProcessGroup | None = None,
     ) -> None:
-        self.spec, self.group, self.weight = spec, group, weights[index]
-        pieces = [local(p) for p in params]
-        if len(pieces) < spec.fragments:
+        self.spec, self.group, self.weight, self.index, self.members = spec, group, weights[index], index, members
+        named = list(params.items())
+        if len(named) < spec.fragments:
             raise PlanError(
-                f"Plan.groups.fragments={spec.fragments} but this rank holds {len(pieces)} parameter tensors: "
+                f"Plan.groups.fragments={spec.fragments} but this rank holds {len(named)} parameter tensors: "
                 "use at most that many fragments."
             )
-        size, extra = divmod(len(pieces), spec.fragments)
+        size, extra = divmod(len(named), spec.fragments)
         bounds = [f * size + min(f, extra) for f in range(spec.fragments + 1)]
-        self.fragments = [_Fragment(pieces[a:b], spec) for a, b in zip(bounds, bounds[1:])]
+        self.fragments = [_Fragment(dict(named[a:b]), spec) for a, b in zip(bounds, bounds[1:])]
         self.step = 0  # inner steps taken
 
     def after_inner_step(self) -> None:
@@ -79,7 +92,7 @@ class OuterSync:
             return
         self.step += 1
         for fragment in self.fragments:
-            if fragment.work is not None and self.step >= fragment.due:
+            if fragment.flat is not None and self.step >= fragment.due:
                 self._land(fragment)
         turn = self.spec.inner_steps // self.spec.fragments
         for f, fragment in enumerate(self.fragments):
@@ -104,15 +117,23 @@ class OuterSync:
         if not self.spec.delay:
             self._land(fragment)
 
-    @torch.no_grad()
-    def _land(self, fragment: _Fragment) -> None:
-        """Wait for the fragment's average, step its agreed weights with the outer optimizer and continue from
-        them (plus the local steps taken while it was in flight)."""
+    def _arrive(self, fragment: _Fragment) -> None:
+        """Wait for the fragment's transfer; ``flat`` is then the average (applied when it is due)."""
+        if fragment.work is None:
+            return
         fragment.work.wait()
         assert fragment.flat is not None
         if fragment.gathered is not None:
             rows = fragment.gathered.view(dist.get_world_size(self.group), -1)
             fragment.flat = sum_payloads(rows, self.spec.compression, fragment.flat.numel())
+        fragment.work, fragment.gathered = None, None
+
+    @torch.no_grad()
+    def _land(self, fragment: _Fragment) -> None:
+        """Wait for the fragment's average, step its agreed weights with the outer optimizer and continue from
+        them (plus the local steps taken while it was in flight)."""
+        self._arrive(fragment)
+        assert fragment.flat is not None
         offset = 0
         for agreed in fragment.agreed:
             agreed.grad = fragment.flat[offset : offset + agreed.numel()].view_as(agreed)
@@ -125,4 +146,80 @@ class OuterSync:
         else:
             for agreed, piece in zip(fragment.agreed, fragment.pieces):
                 piece.copy_(agreed)
-        fragment.flat, fragment.gathered, fragment.work, fragment.sent = None, None, None, []
+        fragment.flat, fragment.sent = None, []
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's outer state, keyed by parameter name and laid out like the parameters (a DTensor for
+        a shard), for a checkpoint: ``agreed`` weights, then what exists of the outer ``momentum``, error
+        feedback's ``remainder``, and a transfer in flight (``arrived``: its average, waited for here but
+        applied only when due; ``sent``: the pieces as they left); ``step`` and each fragment's ``due``."""
+        state: dict[str, Any] = {
+            "step": torch.tensor(self.step),
+            "due": torch.tensor([f.due for f in self.fragments]),
+            "agreed": {},
+        }
+        for fragment in self.fragments:
+            self._arrive(fragment)
+            fields = {"agreed": fragment.agreed}
+            momentum = [fragment.optimizer.state.get(a, {}).get("momentum_buffer") for a in fragment.agreed]
+            if all(m is not None for m in momentum):
+                fields["momentum"] = momentum
+            if fragment.feedback.remainder is not None:
+                fields["remainder"] = self._split(fragment, fragment.feedback.remainder)
+            if fragment.flat is not None:
+                fields["arrived"] = self._split(fragment, fragment.flat)
+                if fragment.sent:
+                    fields["sent"] = fragment.sent
+            for field, tensors in fields.items():
+                for name, param, tensor in zip(fragment.names, fragment.params, tensors):
+                    state.setdefault(field, {})[name] = _like(param, tensor)
+        return state
+
+    def state_template(self, saved: set[str]) -> dict[str, Any]:
+        """A state dict shaped like :meth:`state_dict`'s, with the ``field.name`` entries a checkpoint holds
+        (``saved``), to load into."""
+        state: dict[str, Any] = {"step": torch.tensor(0), "due": torch.zeros(len(self.fragments), dtype=torch.long)}
+        for fragment in self.fragments:
+            for name, param, agreed, piece in zip(fragment.names, fragment.params, fragment.agreed, fragment.pieces):
+                for field in ("agreed", "momentum", "remainder", "arrived", "sent"):
+                    if f"{field}.{name}" in saved:
+                        blank = torch.empty_like(piece if field == "sent" else agreed)
+                        state.setdefault(field, {})[name] = _like(param, blank)
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (its tensors laid out like this rank's)."""
+        self.step = int(state["step"])
+        for f, fragment in enumerate(self.fragments):
+            saved = {
+                field: [local(state[field][n]) for n in fragment.names]
+                for field in ("agreed", "momentum", "remainder", "arrived", "sent")
+                if fragment.names[0] in state.get(field, {})
+            }
+            for agreed, value in zip(fragment.agreed, saved["agreed"]):
+                agreed.copy_(value)
+            fragment.optimizer.state.clear()
+            for agreed, value in zip(fragment.agreed, saved.get("momentum", [])):
+                fragment.optimizer.state[agreed]["momentum_buffer"] = value.clone()
+            flat = {field: torch.cat([v.flatten() for v in saved[field]]) for field in ("remainder", "arrived")
+                    if field in saved}  # fmt: skip
+            fragment.feedback.remainder, fragment.flat = flat.get("remainder"), flat.get("arrived")
+            fragment.sent = [v.clone() for v in saved.get("sent", [])]
+            fragment.work, fragment.gathered, fragment.due = None, None, int(state["due"][f])
+
+    @staticmethod
+    def _split(fragment: _Fragment, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A fragment's flat values as one tensor per piece."""
+        return [t.view_as(a) for t, a in zip(flat.split([a.numel() for a in fragment.agreed]), fragment.agreed)]
+
+
+def _like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (this rank's piece of ``param``) laid out as ``param`` is: a DTensor with the same mesh and
+    placements for a shard, so a checkpoint stores every rank's piece once."""
+    if not isinstance(param, DTensor):
+        return tensor
+    return DTensor.from_local(
+        tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

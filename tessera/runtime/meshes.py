@@ -18,6 +18,7 @@ class Meshes:
         self.plan, self.device = plan, device
         self._mesh: DeviceMesh | None = None
         self._grad: DeviceMesh | None = None
+        self._inside: dist.ProcessGroup | None = None
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -54,6 +55,15 @@ class Meshes:
         if self.every_step and self.plan.zero >= 2:
             return self.mesh["group", "dp"]
         return self.grad
+
+    @property
+    def inside(self) -> dist.ProcessGroup:
+        """Every rank of this rank's group of Plan.groups (each group writes its own checkpoint)."""
+        if self._inside is None:
+            names = tuple(n for n in self.plan.mesh_shape()[1] if n != "group")
+            inner = self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
+            self._inside = (inner._flatten("inside") if len(names) > 1 else inner).get_group()
+        return self._inside
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)

@@ -203,15 +203,6 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
 
-    @model_validator(mode="after")
-    def _no_groups_yet(self) -> Config:
-        if self.plan.file is None and (self.plan.model_extra or {}).get("groups") is not None:
-            raise ValueError(
-                "plan.groups: `tessera train` cannot checkpoint groups of ranks yet (each group's weights differ "
-                "between outer steps); train them from Python with tessera.Booster for now"
-            )
-        return self
-
     @property
     def run_dir(self) -> Path:
         return Path(self.logging.out_dir) / self.logging.run_name
