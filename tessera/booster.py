@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
-from tessera import distributed
+from tessera import distributed, traffic
 from tessera.data.sharding import ShardedLoader, ShareBatchSampler
 from tessera.errors import PlanError
 from tessera.models.policies import find_policy, missing_policy
@@ -42,6 +43,13 @@ from tessera.precision import DynamicLossScaler
 from tessera.runtime import Context, Engine, FlatEngine, Hooks, Meshes, PipelineEngine, ReplicasEngine
 from tessera.runtime.engine import inputs_and_target
 from tessera.runtime.optimizer import boost_optimizer
+from tessera.testbed.seat import current_seat
+
+
+def _node_name() -> str:
+    """The node this process runs on: its testbed node, else the host."""
+    seat = current_seat()
+    return seat.node if seat is not None else socket.gethostname()
 
 
 class Booster:
@@ -66,6 +74,8 @@ class Booster:
         self._share_weight = shares[self.dp_rank] * len(shares) / sum(shares)  # inside this rank's group
         self.hooks = hooks if hooks is not None else Hooks()
         self.hooks.bind(self.plan, dist.get_rank())
+        traffic.install()  # count every collective's bytes per link class from here on
+        traffic.bind_job(self.hooks.node() or _node_name(), coords.group or 0)
         self._ctx = Context(
             plan=self.plan,
             rank=dist.get_rank(),

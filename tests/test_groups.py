@@ -20,6 +20,7 @@ from tessera import Plan, PlanError, ZeRO
 from tessera.errors import NotSupportedYet
 from tessera.groups import Groups
 from tessera.parallel.compress import ErrorFeedback, decode, encode
+from tessera.train.metrics import latest_records
 
 GLOBAL_BATCH, STEPS, GROUPS = 8, 4, 2
 SGD_LR, ADAM_LR = 0.1, 3e-3
@@ -32,14 +33,18 @@ def _inner_optimizer(kind: str, params) -> torch.optim.Optimizer:
 
 
 def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
-    """Train ``plan_dict`` through the Booster; every rank returns the losses and its group's full weights."""
+    """Train ``plan_dict`` through the Booster; every rank returns the losses, its group's full weights and
+    the bytes it sent per link class (tessera.traffic)."""
     import tessera
+    from tessera import traffic
 
     model = build_model("llama")
     booster = tessera.Booster(Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, _inner_optimizer(inner, model.parameters()))
+    traffic.take()
     losses = plain_loop_losses(booster, model, opt, GLOBAL_BATCH, steps)
-    return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index}
+    sent = {link: t.bytes for link, t in traffic.take().items()}  # the training steps' collectives
+    return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index, "sent": sent}
 
 
 def synchronous_reference(steps: int) -> dict:
@@ -332,6 +337,37 @@ def test_a_groups_rank_layout_is_group_major() -> None:
     assert (zero2.zero, zero2.dp, zero2.groups.inner_steps) == (2, 4, 50)
 
 
+N_PARAMS = sum(p.numel() for p in build_model("llama").parameters())
+BLOCKS = -(-N_PARAMS // 256)  # int8 blocks of the weights
+LOSS_BYTES = 4 * STEPS  # reduce_loss: one fp32 mean across the groups a step
+
+
+@pytest.mark.parametrize(
+    ("case", "want"),
+    [
+        ("diloco adamw h2", 2 * 4 * N_PARAMS + LOSS_BYTES),  # two syncs of every fp32 weight (2 groups: x1)
+        ("diloco adamw h2 zero3", 2 * 4 * N_PARAMS // 2 + LOSS_BYTES),  # ZeRO-3: each rank syncs its half
+        ("diloco int8", 2 * BLOCKS * (256 + 4) + LOSS_BYTES),  # a byte a weight (blocks padded), a scale a block
+        ("islands", LOSS_BYTES),  # never meet
+    ],
+)
+def test_the_bytes_across_groups_are_the_outer_syncs(runs: dict, case: str, want: int) -> None:
+    """tessera.traffic's count of what crossed between the groups, on every rank: exactly the outer syncs
+    (and the reported loss), while the gradients stay inside the groups."""
+    for result in runs[case]:
+        assert result["sent"]["across_groups"] == want, (case, result["sent"])
+        assert result["sent"]["intra_node"] > STEPS * 4 * N_PARAMS // 2  # the in-group gradient sync
+        assert result["sent"]["inter_node"] == 0  # one machine
+
+
+def test_every_step_groups_send_a_slice_of_the_gradients_across(runs: dict) -> None:
+    """Hierarchical every-step sync: each rank sends its half of the gradients across (one all-reduce of a
+    reduce-scattered slice), not all of them as a flat all-reduce over the 4 ranks would (1.5x)."""
+    for result in runs["every step ddp"]:
+        slices = result["sent"]["across_groups"] - LOSS_BYTES
+        assert STEPS * 4 * N_PARAMS / 2 <= slices <= 1.01 * STEPS * 4 * N_PARAMS / 2, result["sent"]
+
+
 def _group_tensors(run: Path, step: int, group: int, tmp: Path) -> dict[str, torch.Tensor]:
     return checkpoint_tensors(ckpt(run, step) / f"group_{group}", tmp, prefixes=("model.", "optim.state.", "outer."))
 
@@ -346,6 +382,10 @@ def test_tessera_train_with_groups_resumes_bit_for_bit_between_outer_syncs(
     assert resumed["resumed_from"].endswith(f"step_{STOP_AT:08d}")
     assert resumed["last_loss"] == straight["last_loss"]
     root = train_roots[case]
+    # every step's record (log_every 1) says what crossed between the groups; the summary adds them up
+    records = latest_records(root / "straight" / "t" / "metrics.jsonl")
+    across = [r["comm_bytes_per_step"]["across_groups"] for r in records]
+    assert len(across) == TRAIN_STEPS and sum(across) == straight["traffic"]["across_groups"]["bytes"] > 0
     at_stop = [_group_tensors(root / "split", STOP_AT, g, tmp_path) for g in range(GROUPS)]
     weight = "model.layers.0.attention.wq.weight"
     assert not torch.equal(at_stop[0][weight], at_stop[1][weight])  # the groups were apart when it stopped

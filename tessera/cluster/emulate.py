@@ -325,6 +325,9 @@ class EmulationHooks(Hooks):
     def describe(self) -> str | None:
         return self._bound()[0].describe()
 
+    def node(self) -> str | None:
+        return self._bound()[0].node
+
     def on_model(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         emulator = self._bound()[0]
         emulator.slow_down(blocks)

@@ -32,6 +32,10 @@ class Hooks:
         """One line saying what the hooks change (printed by the trainer), or None."""
         return None
 
+    def node(self) -> str | None:
+        """The node this rank plays, when the hooks play a cluster (links are classed by it), or None."""
+        return None
+
     def on_model(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         """The user's model and its repeated blocks, before any split, tp or wrapping."""
 

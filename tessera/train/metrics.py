@@ -100,6 +100,10 @@ class MetricsLog:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self.tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, dict):  # one curve per entry: comm_bytes_per_step/inter_node
+                    for sub, number in value.items():
+                        if isinstance(number, (int, float)):
+                            self.tb.add_scalar(f"{key}/{sub}", number, record["step"])
 
     def close(self) -> None:
         self.file.close()

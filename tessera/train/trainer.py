@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import tessera
-from tessera import faults
+from tessera import faults, traffic
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.cluster.emulate import hooks_from_environment
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
@@ -149,6 +149,8 @@ class Trainer:
         self.job_peak = job_peak_tflops(cfg.train.peak_tflops, self.booster.device)  # may refuse: no file yet
         self.flops_per_token = self._flops_per_token()
         self.losses: list[float] = []
+        self.traffic = {link: traffic.LinkTraffic() for link in traffic.LINKS}  # the job's, over the steps run
+        self.reported_step = 0
 
     def _restore(self) -> Path | None:
         """Continue from the newest complete checkpoint, if there is one."""
@@ -200,6 +202,8 @@ class Trainer:
         log = MetricsLog(cfg.run_dir, cfg.logging.tensorboard, resume_step) if self.rank0 else None
         progress = Progress(cfg.train.steps, enabled=self.rank0 and cfg.logging.progress)
         start_step, start_time = self.step, time.perf_counter()
+        traffic.take()  # from here on: the steps' traffic (set-up and restore are not steps)
+        self.reported_step = self.step
         last_step = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
         while self.step < last_step:
             self.loader.set_epoch(self.epoch, self.batch_in_epoch)
@@ -256,6 +260,12 @@ class Trainer:
         per_rank_peaks = [0] * dist.get_world_size()
         if peak_bytes is not None:  # the same step on every rank (train.measure_memory_at)
             dist.all_gather_object(per_rank_peaks, peak_bytes)
+        per_rank_traffic: list[dict[str, traffic.LinkTraffic]] = [{}] * dist.get_world_size()
+        dist.all_gather_object(per_rank_traffic, traffic.take())
+        sent = traffic.job_traffic(per_rank_traffic)
+        steps = max(1, self.step - self.reported_step)
+        self.reported_step = self.step
+        self.traffic = {link: self.traffic[link] + sent[link] for link in traffic.LINKS}
         if log is None:
             return
         step_time, elapsed, done = timing
@@ -271,6 +281,9 @@ class Trainer:
             "model_state_bytes_rank0": state_bytes,
             "model_state_bytes_per_rank": per_rank_bytes,
             "epoch": self.epoch,
+            # every rank's collectives since the last record, per link class (tessera.traffic)
+            "comm_bytes_per_step": {link: t.bytes / steps for link, t in sent.items()},
+            "comm_gbit_s": {link: t.gbit_s for link, t in sent.items()},
         }
         if peak_bytes is not None:
             record["peak_tensor_bytes_per_rank"] = per_rank_peaks
@@ -307,6 +320,7 @@ class Trainer:
                     f"metrics: {log.path}; plot: {cfg.run_dir / 'loss.png'}",
                     flush=True,
                 )
+            self._print_traffic(start_step)
             if sample:
                 print("sample:\n" + sample, flush=True)
         return {
@@ -315,7 +329,23 @@ class Trainer:
             "steps": self.step,
             "run_dir": str(cfg.run_dir),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "traffic": {
+                link: {"bytes": t.bytes, "collectives": t.collectives, "gbit_s": t.gbit_s}
+                for link, t in self.traffic.items()
+            },
         }
+
+    def _print_traffic(self, start_step: int) -> None:
+        """The end-of-run line: bytes per step and achieved bandwidth of each link class the job used."""
+        steps = max(1, self.reported_step - start_step)
+        parts = [
+            f"{link.replace('_', '-')} {t.bytes / steps / 1e6:.3g} MB/step"
+            + (f" at {t.gbit_s:.3g} Gbit/s" if t.gbit_s else "")
+            for link, t in self.traffic.items()
+            if t.collectives
+        ]
+        if parts:
+            print("sent by all ranks: " + "; ".join(parts), flush=True)
 
 
 def train(cfg: Config) -> dict[str, Any]:
