@@ -6,6 +6,7 @@
     tessera cluster profile CONFIG.yaml --cluster C.yaml [--testbed]      measure devices and links for the planner
     tessera testbed clean                                                 remove what a killed testbed left
     tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR]      full model from any layout's checkpoint
+    tessera merge CHECKPOINT... [--out merged.safetensors]                islands' held-out losses, averaged, ensembled
 
 Every failure prints one ``tessera: error: ...`` paragraph. Exit codes: 2 bad input, 3 a collective
 timed out (a rank died or hung), 4 a runtime fault (out of memory, disk full, a crashed rank),
@@ -195,7 +196,10 @@ def _launch_on_testbed(job, cluster_file: str, devices: list[int], cpus: float |
     with Testbed(Cluster.load(cluster_file), devices, cpus, precision) as bed:
         print(bed.describe(), file=sys.stderr)
         job.testbed_seats, job.testbed_master_addr = bed.seats_file, bed.master_addr
-        return launch(job)
+        code = launch(job)
+        if traffic := bed.link_traffic():
+            print(f"testbed {bed.name} links:\n{traffic}", file=sys.stderr)
+        return code
 
 
 def _cluster_profile(args: argparse.Namespace) -> int:
@@ -241,6 +245,26 @@ def _export(args: argparse.Namespace) -> int:
         print(f"wrote {export_safetensors(args.checkpoint, args.out)}")
     if args.hf_dir:
         print(f"wrote {export_hf(args.checkpoint, args.hf_dir)}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    import json
+
+    from tessera.merge import merge
+
+    if args.out:
+        check_output_file(args.out, "--out", args.force)
+    report, average = merge(args.checkpoints, args.eval_bytes)
+    print(report.table())
+    if args.json:
+        check_output_file(args.json, "--json", args.force)
+        Path(args.json).write_text(json.dumps({"held_out_loss": report.losses, "tokens": report.tokens}, indent=1))
+    if args.out:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in average.items()}, args.out, metadata={"format": "pt"})
+        print(f"wrote the average to {args.out}")
     return 0
 
 
@@ -361,10 +385,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", help="a .safetensors file to write")
     export.add_argument("--hf-dir", help="a directory for save_pretrained (Hugging Face models)")
     export.add_argument("--force", action="store_true", help="overwrite an existing --out file or --hf-dir")
+    merge = sub.add_parser("merge", help="judge islands (groups' or runs' models) on held-out text, average them")
+    merge.add_argument("checkpoints", nargs="+", help="checkpoint directories (each group folder is an island)")
+    merge.add_argument("--eval-bytes", type=_count(1), default=1 << 17, help="held-out bytes to judge on")
+    merge.add_argument("--out", help="write the parameter average as a .safetensors file")
+    merge.add_argument("--json", help="write the losses as JSON")
+    merge.add_argument("--force", action="store_true", help="overwrite --out / --json if they exist")
     args = ap.parse_args(argv)
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "merge":
+            return _merge(args)
         if args.command == "cluster":
             return _cluster(args)
         if args.command == "testbed":

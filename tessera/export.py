@@ -23,8 +23,7 @@ def check_export_targets(checkpoint: str | Path, out: str | None, hf_dir: str | 
     existing file or non-empty directory (without ``force``), a path that is a directory, under a file,
     or not writable."""
     source = Path(checkpoint).resolve()
-    if not (source / "meta.json").is_file():
-        raise CheckpointError(f"'{checkpoint}' is not a complete Tessera checkpoint (no meta.json).")
+    checkpoint_meta(checkpoint_root(source))
     for target, flag in ((out, "--out"), (hf_dir, "--hf-dir")):
         if target is None:
             continue
@@ -45,11 +44,49 @@ def check_export_targets(checkpoint: str | Path, out: str | None, hf_dir: str | 
             )
 
 
-def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model parameters of a Tessera checkpoint, on the CPU."""
+def checkpoint_root(path: str | Path) -> Path:
+    """The checkpoint ``path`` is, or holds as one group's folder (``step_N/group_<g>``)."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
+    return path.parent if path.name.startswith("group_") and (path.parent / "meta.json").is_file() else path
+
+
+def checkpoint_meta(path: str | Path) -> dict:
+    """A complete checkpoint's meta.json (refused when there is none or it is not a mapping)."""
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.is_file():
         raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"'{meta_file}' is corrupted: it is not a JSON mapping.")
+    return meta
+
+
+def model_folders(path: str | Path) -> list[tuple[str, Path]]:
+    """Each model a checkpoint holds, named, with the folder of its DCP state: the checkpoint itself, or
+    one folder per group under Plan.groups with an outer sync (``group_<g>``)."""
+    path = Path(path)
+    groups = checkpoint_meta(path).get("groups")
+    if groups is None:
+        return [(path.name, path)]
+    if not isinstance(groups, int) or groups < 1:
+        raise CheckpointError(f"'{path / 'meta.json'}' is corrupted: groups={groups!r} is not a count.")
+    return [(f"{path.name}/group_{g}", path / f"group_{g}") for g in range(groups)]
+
+
+def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model parameters of a Tessera checkpoint (or of one group's folder in it), on
+    the CPU."""
+    path = Path(path)
+    folders = model_folders(path) if checkpoint_root(path) == path else [(path.name, path)]
+    if len(folders) > 1:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds {len(folders)} groups' models (Plan.groups): export one group's folder "
+            f"('{path}/group_0') or their average (`tessera merge {path} --out model.safetensors`)."
+        )
+    path = folders[0][1]
     DataOnlyReader(str(path)).read_metadata()  # checked here first: DCP would fold a refusal into its own error
     state: dict = {}
     try:
@@ -84,7 +121,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     from tessera.train.build import build_model
     from tessera.train.config import parse_config
 
-    meta = json.loads((Path(path) / "meta.json").read_text())
+    meta = checkpoint_meta(checkpoint_root(path))
     if "config" not in meta:
         raise CheckpointError(f"checkpoint '{path}' records no training config: cannot tell which model it holds.")
     cfg = parse_config(meta["config"], source=f"the config stored in '{path}'")

@@ -159,10 +159,11 @@ CASES = {
 
 
 # tessera train with groups: straight to step 8, and stopped after step 4 then resumed. At step 4 DiLoCo
-# (H = 3) is between syncs with outer momentum; Streaming's fragment 1 is in flight (it left at 4, lands
-# at 5) and fragment 0 has momentum and int8 error feedback.
+# (H = 3) is between syncs with outer momentum and int8 error feedback, split between DDP's replicas;
+# Streaming's fragment 1 is in flight (it left at 4, lands at 5) and fragment 0 has momentum and error
+# feedback.
 TRAIN_PLANS = {
-    "diloco ddp": {"preset": "ddp", "groups": {**DILOCO, "inner_steps": 3}},
+    "diloco ddp int8": {"preset": "ddp", "groups": {**DILOCO, "inner_steps": 3, "compression": "int8"}},
     "streaming zero3 int8": {"preset": "zero", "zero": 3, "groups": {**STREAMING, "compression": "int8"}},
 }
 TRAIN_STEPS, STOP_AT = 8, 4
@@ -181,11 +182,13 @@ def refusals(root: str) -> list[str]:
     from tessera.checkpoint_readers import CheckpointError
 
     grouped, plain = Path(root) / "grouped", Path(root) / "plain"
-    train_each([tiny_config(grouped, 1, 0, TRAIN_PLANS["diloco ddp"]), tiny_config(plain, 1, 0, {"preset": "ddp"})])
+    train_each(
+        [tiny_config(grouped, 1, 0, TRAIN_PLANS["diloco ddp int8"]), tiny_config(plain, 1, 0, {"preset": "ddp"})]
+    )
     tries = [
         tiny_config(grouped, 2, 0, {"preset": "ddp"}),
         tiny_config(grouped, 2, 0, {"preset": "ddp", "groups": {**DILOCO, "count": 4}}),
-        tiny_config(plain, 2, 0, TRAIN_PLANS["diloco ddp"]),
+        tiny_config(plain, 2, 0, TRAIN_PLANS["diloco ddp int8"]),
     ]
     out = []
     for config in tries:
@@ -338,22 +341,24 @@ def test_a_groups_rank_layout_is_group_major() -> None:
 
 
 N_PARAMS = sum(p.numel() for p in build_model("llama").parameters())
-BLOCKS = -(-N_PARAMS // 256)  # int8 blocks of the weights
+# DDP's two replicas in a group sync a slice each (whole int8 blocks of 256 weights): half the model
+SLICE = -(-N_PARAMS // (2 * 256)) * 256
 LOSS_BYTES = 4 * STEPS  # reduce_loss: one fp32 mean across the groups a step
 
 
 @pytest.mark.parametrize(
     ("case", "want"),
     [
-        ("diloco adamw h2", 2 * 4 * N_PARAMS + LOSS_BYTES),  # two syncs of every fp32 weight (2 groups: x1)
-        ("diloco adamw h2 zero3", 2 * 4 * N_PARAMS // 2 + LOSS_BYTES),  # ZeRO-3: each rank syncs its half
-        ("diloco int8", 2 * BLOCKS * (256 + 4) + LOSS_BYTES),  # a byte a weight (blocks padded), a scale a block
+        ("diloco adamw h2", 2 * 4 * SLICE + LOSS_BYTES),  # two syncs of half the fp32 weights (2 groups: x1)
+        ("diloco adamw h2 zero3", 2 * 4 * N_PARAMS // 2 + LOSS_BYTES),  # ZeRO-3: each rank syncs its shard
+        ("diloco int8", 2 * SLICE * (1 + 4 / 256) + LOSS_BYTES),  # a byte a weight, an fp32 scale a block
         ("islands", LOSS_BYTES),  # never meet
     ],
 )
 def test_the_bytes_across_groups_are_the_outer_syncs(runs: dict, case: str, want: int) -> None:
     """tessera.traffic's count of what crossed between the groups, on every rank: exactly the outer syncs
-    (and the reported loss), while the gradients stay inside the groups."""
+    (and the reported loss), while the gradients stay inside the groups. A group's replicas split the
+    sync, so the model crosses once per group, not once per rank."""
     for result in runs[case]:
         assert result["sent"]["across_groups"] == want, (case, result["sent"])
         assert result["sent"]["intra_node"] > STEPS * 4 * N_PARAMS // 2  # the in-group gradient sync
@@ -406,3 +411,37 @@ def test_group_checkpoints_refuse_other_groups(runs: dict) -> None:
     assert "holds 2 groups' weights" in to_plain and "plan.groups.count=2" in to_plain
     assert "this Plan has 4: use plan.groups.count=2" in to_four
     assert "holds one model" in from_plain and "without plan.groups" in from_plain
+
+
+def test_tessera_merge_judges_each_island_and_their_average_on_held_out_text(runs: dict, train_roots: dict) -> None:
+    """The straight DiLoCo run ends between syncs (H = 3, step 8), so its two groups hold different
+    models: merge judges each on the text after what the run read, which a plain loop here agrees with,
+    and their average (the mean of the weights) and ensemble (the mean of the probabilities)."""
+    from tessera.checkpoint_readers import CheckpointError
+    from tessera.data.text import default_corpus
+    from tessera.export import load_full_model_state
+    from tessera.merge import merge
+    from tessera.models import Llama, LlamaConfig
+
+    checkpoint = ckpt(train_roots["diloco ddp int8"] / "straight", TRAIN_STEPS)
+    report, average = merge([checkpoint], eval_bytes=8192)
+    groups = [load_full_model_state(checkpoint / f"group_{g}") for g in range(GROUPS)]
+    assert not torch.equal(groups[0]["layers.0.attention.wq.weight"], groups[1]["layers.0.attention.wq.weight"])
+    for key, value in average.items():
+        torch.testing.assert_close(value, (groups[0][key] + groups[1][key]) / 2)
+    # the held-out text, read here: the corpus's bytes after the 60,000 the run trained on
+    text = b"".join(Path(f).read_bytes() + b"\n" for f in default_corpus()[:200])[60_000 : 60_000 + 8192]
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    windows = tokens[: (len(tokens) - 1) // 32 * 32 + 1]
+    x, y = windows[:-1].view(-1, 32), windows[1:].view(-1, 32)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32))
+    for g, state in enumerate(groups):
+        model.load_state_dict(state)
+        with torch.no_grad():
+            want = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+        assert report.tokens == y.numel() and abs(report.losses[f"step_{TRAIN_STEPS:08d}/group_{g}"] - want) < 1e-5
+    assert report.losses["ensemble"] <= max(report.losses[f"step_{TRAIN_STEPS:08d}/group_{g}"] for g in range(2))
+    with pytest.raises(CheckpointError, match="given twice"):
+        merge([checkpoint, checkpoint])
+    with pytest.raises(CheckpointError, match="tessera merge"):
+        load_full_model_state(checkpoint)

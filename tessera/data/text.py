@@ -65,13 +65,15 @@ class PackedText(Dataset):
     Item ``i`` is ``{"x": tokens[i*L : i*L+L], "y": tokens[i*L+1 : i*L+L+1]}``.
     """
 
-    def __init__(self, files: list[str], seq_len: int, max_bytes: int = 4_000_000) -> None:
+    def __init__(self, files: list[str], seq_len: int, max_bytes: int = 4_000_000, skip_bytes: int = 0) -> None:
+        """``skip_bytes``: start that far into the joined files (held-out text: what follows the
+        ``max_bytes`` a training run read)."""
         data = bytearray()
         for path in files:
             data += Path(path).read_bytes() + b"\n"
-            if len(data) >= max_bytes:
+            if len(data) >= skip_bytes + max_bytes:
                 break
-        del data[max_bytes:]
+        data = data[skip_bytes : skip_bytes + max_bytes]
         _require_enough(len(data), seq_len)
         self.tokens = torch.frombuffer(data, dtype=torch.uint8).long()
         self.seq_len = seq_len

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.groups import Groups
-from tessera.parallel.compress import ErrorFeedback, sum_payloads
+from tessera.parallel.compress import BLOCK, ErrorFeedback, sum_payloads
 
 
 class _Fragment:
@@ -47,6 +47,7 @@ class _Fragment:
         self.optimizer = torch.optim.SGD(self.agreed, lr=spec.outer_lr, momentum=spec.outer_momentum,
                                          nesterov=spec.nesterov)  # fmt: skip
         self.flat: torch.Tensor | None = None
+        self.part: torch.Tensor | None = None  # what this rank sends across: all of flat, or its replica's slice
         self.gathered: torch.Tensor | None = None  # compressed: every group's payload, in group order
         self.feedback = ErrorFeedback(spec.compression)
         self.work: Any = None
@@ -74,6 +75,10 @@ class OuterSync:
         members: dist.ProcessGroup | None = None,
     ) -> None:
         self.spec, self.group, self.weight, self.index, self.members = spec, group, weights[index], index, members
+        # Replicas inside a group (DDP, ZeRO-1: every rank holds every weight) split the sync: each sends a
+        # slice across and the group gathers the averaged slices, so the model crosses once per group.
+        replicated = members is not None and dist.get_world_size(members) > 1
+        self.replicas = members if replicated and not any(isinstance(p, DTensor) for p in params.values()) else None
         named = list(params.items())
         if len(named) < spec.fragments:
             raise PlanError(
@@ -108,10 +113,11 @@ class OuterSync:
         flat *= self.weight
         fragment.flat, fragment.due = flat, self.step + self.spec.delay
         fragment.sent = [piece.clone() for piece in fragment.pieces] if self.spec.delay else []
+        fragment.part = self._slice(flat)
         if self.spec.compression == "none":
-            fragment.work = dist.all_reduce(flat, group=self.group, async_op=True)
+            fragment.work = dist.all_reduce(fragment.part, group=self.group, async_op=True)
         else:  # quantised values do not add up where they are: gather every group's bytes, sum them here
-            payload = fragment.feedback.encode(flat)
+            payload = fragment.feedback.encode(fragment.part)
             fragment.gathered = payload.new_empty(dist.get_world_size(self.group) * payload.numel())  # gloo: 1-D
             fragment.work = dist.all_gather_into_tensor(fragment.gathered, payload, group=self.group, async_op=True)
         if not self.spec.delay:
@@ -122,11 +128,31 @@ class OuterSync:
         if fragment.work is None:
             return
         fragment.work.wait()
-        assert fragment.flat is not None
+        assert fragment.flat is not None and fragment.part is not None
+        part = fragment.part
         if fragment.gathered is not None:
             rows = fragment.gathered.view(dist.get_world_size(self.group), -1)
-            fragment.flat = sum_payloads(rows, self.spec.compression, fragment.flat.numel())
-        fragment.work, fragment.gathered = None, None
+            part = sum_payloads(rows, self.spec.compression, part.numel())
+        fragment.flat = self._whole(part, fragment.flat.numel())
+        fragment.work, fragment.gathered, fragment.part = None, None, None
+
+    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``flat`` when replicas split the sync, else ``flat``. Slices are whole blocks
+        of the quantiser, so compressing them equals compressing ``flat``, block for block."""
+        if self.replicas is None:
+            return flat
+        n = dist.get_world_size(self.replicas)
+        size = -(-flat.numel() // (n * BLOCK)) * BLOCK
+        padded = torch.cat([flat, flat.new_zeros(size * n - flat.numel())])
+        return padded[dist.get_rank(self.replicas) * size :][:size]
+
+    def _whole(self, part: torch.Tensor, numel: int) -> torch.Tensor:
+        """Every replica's slice gathered (the inverse of :meth:`_slice`), ``numel`` values long."""
+        if self.replicas is None:
+            return part
+        whole = part.new_empty(dist.get_world_size(self.replicas) * part.numel())
+        dist.all_gather_into_tensor(whole, part.contiguous(), group=self.replicas)
+        return whole[:numel]
 
     @torch.no_grad()
     def _land(self, fragment: _Fragment) -> None:
@@ -165,8 +191,9 @@ class OuterSync:
             momentum = [fragment.optimizer.state.get(a, {}).get("momentum_buffer") for a in fragment.agreed]
             if all(m is not None for m in momentum):
                 fields["momentum"] = momentum
-            if fragment.feedback.remainder is not None:
-                fields["remainder"] = self._split(fragment, fragment.feedback.remainder)
+            if fragment.feedback.remainder is not None:  # replicas hold a slice each: saved whole
+                numel = sum(a.numel() for a in fragment.agreed)
+                fields["remainder"] = self._split(fragment, self._whole(fragment.feedback.remainder, numel))
             if fragment.flat is not None:
                 fields["arrived"] = self._split(fragment, fragment.flat)
                 if fragment.sent:
@@ -205,7 +232,9 @@ class OuterSync:
                 fragment.optimizer.state[agreed]["momentum_buffer"] = value.clone()
             flat = {field: torch.cat([v.flatten() for v in saved[field]]) for field in ("remainder", "arrived")
                     if field in saved}  # fmt: skip
-            fragment.feedback.remainder, fragment.flat = flat.get("remainder"), flat.get("arrived")
+            remainder = flat.get("remainder")
+            fragment.feedback.remainder = self._slice(remainder).clone() if remainder is not None else None
+            fragment.flat = flat.get("arrived")
             fragment.sent = [v.clone() for v in saved.get("sent", [])]
             fragment.work, fragment.gathered, fragment.due = None, None, int(state["due"][f])
 

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from itertools import combinations
@@ -101,6 +102,24 @@ class Network:
                 "tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
                 "rate", f"{int(rate * 8)}bit", "burst", str(burst), "latency", QUEUE_LATENCY,
             )  # fmt: skip
+
+    def sent_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes each node has sent each other over their link so far, by (from, to): the kernel's counter of
+        the veth's transmit side (frames: headers included)."""
+        sent = {}
+        for i, j in combinations(range(self.n_nodes), 2):
+            for src, dst in ((i, j), (j, i)):
+                out = subprocess.run(
+                    ["ip", "-n", self.namespace(src), "-j", "-s", "link", "show", "dev", f"tb{dst}"],
+                    capture_output=True,
+                    text=True,
+                )
+                try:
+                    sent[(src, dst)] = int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
+                except (ValueError, LookupError, TypeError):
+                    where = f"link tb{dst} in {self.namespace(src)}"
+                    raise TestbedError(f"cannot read the counters of {where}: {out.stderr.strip()}") from None
+        return sent
 
     def remove(self) -> None:
         """Delete the namespaces (their veths go with them); missing ones are skipped."""

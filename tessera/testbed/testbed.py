@@ -155,6 +155,15 @@ class Testbed:
             lines.append(f"  link {self.nodes[i]} <-> {self.nodes[j]}: {rate * 8 / 1e6:,.4g} Mbit/s, {shaped}")
         return "\n".join(lines)
 
+    def link_traffic(self) -> str:
+        """What each link has carried each way so far, from the kernel's counters (empty on one node)."""
+        if self._network is None:
+            return ""
+        return "\n".join(
+            f"  link {self.nodes[i]} -> {self.nodes[j]}: {sent:,} bytes sent (kernel counter, headers included)"
+            for (i, j), sent in self._network.sent_bytes().items()
+        )
+
     # ------------------------------------------------------------ set up / tear down
     def __enter__(self) -> Testbed:
         check_root()

@@ -1,0 +1,184 @@
+"""Two regions joined by a slow link, on the testbed: flat, hierarchical, DiLoCo and Streaming DiLoCo.
+
+Two nodes of two ranks each, a real 20 Mbit/s link between them (veth pairs shaped with ``tc tbf``)
+and CPU quotas for the four ranks. Every layout trains the demo Llama on the standard library's
+text through ``tessera train --testbed``, with the same tokens, seed and schedule:
+
+- *flat*: DDP over all four ranks, the gradients all-reduced across the link every step;
+- *hierarchical*: ``groups: {count: 2, sync: every_step}``, a node each: reduce-scatter inside, the
+  slices across, all-gather inside;
+- *DiLoCo H*: ``sync: diloco`` with ``inner_steps`` H (outer Nesterov SGD lr 0.7, momentum 0.9),
+  also with int8 outer gradients;
+- *streaming*: ``sync: streaming``, the model in 5 fragments synced in turn, each landing a step
+  after it leaves.
+
+Reported per layout (median over seeds): the held-out loss of the final model (``tessera merge``
+on the last checkpoint: the text after what the run read; the groups' average where they hold
+two models), the bytes of collectives spanning the two nodes (tessera.traffic's count, summed over
+ranks) and the bytes the kernel saw cross the link (the testbed's veth counters, both ways),
+the largest count in one step (streaming's peak vs DiLoCo's), and the training wall-clock (steps ×
+tokens / the run's tokens/s: set-up excluded). Runs are interleaved: seed after seed, every layout.
+
+    sudo python benchmarks/cross_region.py [--seeds 0 1 2] [--steps 200] [--json docs/cross_region.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LINK_MBIT = 20.0
+CPUS = 1.6  # of the machine's 2 cores: 0.4 a rank, the rest for the harness and the kernel
+MODEL = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384}  # examples/demo.yaml's
+SEQ, BATCH = 128, 16
+TRAIN_BYTES = 1_000_000  # read for training; the held-out text follows it
+EVAL_BYTES = 1 << 17
+
+
+def groups(sync: str, **more: Any) -> dict:
+    return {"count": 2, "sync": sync, **more}
+
+
+LAYOUTS: dict[str, dict] = {
+    "flat": {"preset": "ddp"},
+    "hierarchical": {"preset": "ddp", "groups": groups("every_step")},
+    "DiLoCo H=10": {"preset": "ddp", "groups": groups("diloco", inner_steps=10)},
+    "DiLoCo H=50": {"preset": "ddp", "groups": groups("diloco", inner_steps=50)},
+    "DiLoCo H=100": {"preset": "ddp", "groups": groups("diloco", inner_steps=100)},
+    "DiLoCo H=50 int8": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, compression="int8")},
+    "streaming H=50 F=5": {"preset": "ddp", "groups": groups("streaming", inner_steps=50, fragments=5, delay=1)},
+}
+FRAGMENTS = 5
+
+
+def cluster_spec() -> dict:
+    link = {"bandwidth_gbs": LINK_MBIT / 8e3, "latency_us": 100}
+    return {
+        "nodes": [
+            {"name": "region-a", "devices": [{"type": "cpu", "count": 2}]},
+            {"name": "region-b", "devices": [{"type": "cpu", "count": 2}]},
+        ],
+        "device_types": {"cpu": {"peak_tflops": {"fp32": 1}, "memory_gib": 8, "bandwidth_gbs": 10}},
+        "links": {"inter_node": link, "inter_region": link},
+    }
+
+
+def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int) -> dict:
+    return {
+        "model": MODEL,
+        "data": {"seq_len": SEQ, "max_bytes": TRAIN_BYTES},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"kind": "cosine", "warmup_steps": 10},
+        "plan": plan,
+        "train": {
+            "steps": steps,
+            "global_batch_size": BATCH,
+            "seed": seed,
+            "log_every": 1,
+            "sample_bytes": 0,
+            "timeout_s": 900,
+        },
+        "checkpoint": {"every": 0, "resume": "never"},
+        "logging": {"run_name": name, "out_dir": str(out_dir), "progress": False, "tensorboard": False},
+    }
+
+
+def tessera(*args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"tessera {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout + proc.stderr
+
+
+def run(work: Path, cluster: Path, layout: str, steps: int, seed: int) -> dict[str, float]:
+    """One `tessera train --testbed` run and its figures."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{layout}-s{seed}")
+    cfg_file = work / f"{name}.yaml"
+    cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed)))
+    started = time.perf_counter()
+    out = tessera("train", str(cfg_file), "--nproc", "4", "--testbed", str(cluster), "--testbed-cpus", str(CPUS),
+                  "--overwrite")  # fmt: skip
+    run_s = time.perf_counter() - started
+    records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "step" in r and "event" not in r]
+    across = [r["comm_bytes_per_step"]["inter_node"] + r["comm_bytes_per_step"]["across_groups"] for r in records]
+    wire = sum(int(n.replace(",", "")) for n in re.findall(r"link region-\S+ -> region-\S+: ([\d,]+) bytes", out))
+    checkpoint = work / "runs" / name / "checkpoints" / f"step_{steps:08d}"
+    losses = json.loads(_merge(checkpoint, work / f"{name}-merge.json"))["held_out_loss"]
+    return {
+        "held_out_loss": losses["average"],
+        "counted_bytes_across": sum(across),
+        "kernel_bytes_across": wire,
+        "peak_step_bytes_across": max(across),
+        "train_s": steps * BATCH * SEQ / records[-1]["tokens_per_s"],
+        "run_s": run_s,
+        "final_train_loss": records[-1]["loss"],
+    }
+
+
+def _merge(checkpoint: Path, out: Path) -> str:
+    tessera("merge", str(checkpoint), "--eval-bytes", str(EVAL_BYTES), "--json", str(out), "--force")
+    return out.read_text()
+
+
+def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    flat = {k: statistics.median(r[k] for r in runs["flat"]) for k in runs["flat"][0]}
+    table = {}
+    for layout, results in runs.items():
+        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        table[layout] = {
+            "runs": results,
+            "median": med,
+            "bytes_vs_flat": flat["counted_bytes_across"] / med["counted_bytes_across"],
+            "kernel_bytes_vs_flat": flat["kernel_bytes_across"] / med["kernel_bytes_across"],
+            "loss_vs_flat": med["held_out_loss"] / flat["held_out_loss"] - 1,
+            "speedup_vs_flat": flat["train_s"] / med["train_s"],
+        }
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tessera-cross-region-"))
+    cluster = work / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(cluster_spec()))
+    runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in args.layouts}
+    for seed in args.seeds:
+        for layout in args.layouts:
+            result = run(work, cluster, layout, args.steps, seed)
+            runs[layout].append(result)
+            print(f"seed {seed} {layout}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
+    table = summarise(runs)
+    print(f"\n{'layout':<20} {'held-out':>9} {'vs flat':>8} {'MB across':>10} {'kernel MB':>10} {'x fewer':>8} "
+          f"{'peak MB':>8} {'train s':>8} {'x faster':>9}")  # fmt: skip
+    for layout, row in table.items():
+        m = row["median"]
+        print(
+            f"{layout:<20} {m['held_out_loss']:>9.4f} {row['loss_vs_flat']:>+8.1%} "
+            f"{m['counted_bytes_across'] / 1e6:>10.1f} {m['kernel_bytes_across'] / 1e6:>10.1f} "
+            f"{row['bytes_vs_flat']:>8.1f} {m['peak_step_bytes_across'] / 1e6:>8.2f} {m['train_s']:>8.1f} "
+            f"{row['speedup_vs_flat']:>9.2f}"
+        )
+    if args.json:
+        meta = {"link_mbit": LINK_MBIT, "cpus": CPUS, "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS}
+        args.json.write_text(json.dumps({"setup": meta, "layouts": table}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
