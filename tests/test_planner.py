@@ -403,3 +403,60 @@ def test_fsdp_collectives_per_unit_and_micro_batch_without_a_pipeline(costs: Mod
     for zero, m, uses in ((2, 1, 2), (2, 4, 5), (3, 1, 3), (3, 4, 9)):
         layout = layout_from_plan(Hybrid(zero=zero, microbatches=m), cluster, costs, 16)
         assert grad_sync_s(layout, costs, 0) == pytest.approx(uses * (half_volume + latencies), rel=1e-12), (zero, m)
+
+
+# ------------------------------------------------------------------ the outer level (regions)
+def _regions(wan_gbs: float, alike: bool = True) -> Cluster:
+    second = "cpu" if alike else "big"
+    return Cluster.from_dict({
+        "nodes": [
+            {"name": "a", "region": "east", "devices": [{"type": "cpu", "count": 2}]},
+            {"name": "b", "region": "west", "devices": [{"type": second, "count": 2}]},
+        ],
+        "device_types": {
+            "cpu": {"peak_tflops": {"fp32": 0.05}, "memory_gib": 8, "bandwidth_gbs": 10},
+            "big": {"peak_tflops": {"fp32": 0.1}, "memory_gib": 8, "bandwidth_gbs": 10},
+        },
+        "links": {"intra_node": {"bandwidth_gbs": 5, "latency_us": 20},
+                  "inter_region": {"bandwidth_gbs": wan_gbs, "latency_us": 100}},
+    })  # fmt: skip
+
+
+def test_the_outer_sync_takes_the_smallest_h_within_a_tenth_of_the_inner_steps() -> None:
+    from tessera.planner.outer import OUTER_BUDGET, choose, outer_options
+
+    def seconds(n_bytes: float) -> float:
+        return n_bytes / 1e8  # 100 MB/s
+
+    inner, params = 0.5, 100_000_000  # a sync of the fp32 weights: 4 s
+    options = outer_options(inner, params, 4, 2, seconds)
+    every, diloco, *streaming = options
+    assert every.exposed_s == pytest.approx(4.0) and every.bytes_per_step == pytest.approx(2 * 4e8)
+    assert diloco.inner_steps == 80  # 4 s <= 10 % of 80 x 0.5 s, not of 79
+    assert 4.0 / diloco.inner_steps <= OUTER_BUDGET * inner < 4.0 / (diloco.inner_steps - 1)
+    for option in streaming:  # a fragment at a time: the peak is 1/F of DiLoCo's, its H a multiple of F
+        assert option.peak_bytes == pytest.approx(diloco.peak_bytes / option.fragments)
+        assert option.inner_steps % option.fragments == 0 and option.exposed_s <= OUTER_BUDGET * inner + 1e-12
+    best = choose(options)
+    assert best.sync == "streaming" and best.inner_steps == min(o.inner_steps for o in options[1:])
+    fast = outer_options(inner, params, 4, 2, lambda n: n / 1e11)  # 4 ms a sync: stay synchronous
+    assert choose(fast).sync == "every_step"
+
+
+def test_the_planner_puts_a_group_in_each_region_when_the_link_between_is_slow() -> None:
+    from tessera.planner import plan_for
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                                  max_seq_len=128))  # fmt: skip
+    slow = plan_for(_regions(0.0025), model, 16, top=3)
+    best = slow[0]
+    assert best.plan.groups is not None and best.plan.groups.count == 2 and best.plan.groups.sync != "every_step"
+    assert "outer level" in " ".join(best.notes) and "MB a step across" in " ".join(best.notes)
+    resolved = best.plan.resolve(4)
+    assert [resolved.coords(r).group for r in range(4)] == [0, 0, 1, 1]
+    assert [resolved.rank_devices[r].split(":")[0] for r in range(4)] == ["a", "a", "b", "b"]  # group = region
+    fast = plan_for(_regions(50.0), model, 16, top=3)
+    assert all(c.plan.groups is None or c.plan.groups.sync == "every_step" for c in fast)
+    unlike = plan_for(_regions(0.0025, alike=False), model, 16, top=3)
+    assert all(c.plan.groups is None for c in unlike)  # regions made differently: no groups yet

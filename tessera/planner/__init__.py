@@ -16,6 +16,7 @@ from torch import nn
 from tessera.cluster.spec import Cluster
 from tessera.errors import PlanError
 from tessera.planner.costs import ModelCosts
+from tessera.planner.outer import outer_candidates
 from tessera.planner.precision import choose_precision
 from tessera.planner.search import Candidate, search
 from tessera.planner.subsets import on_full_cluster, subsets
@@ -55,6 +56,7 @@ def plan_for(
     elif costs.precision != precision:
         costs = costs.with_precision(precision)
     found = search(cluster, costs, global_batch_size, top=top)
+    found += outer_candidates(cluster, costs, global_batch_size, top)  # regions alike: a group each
     if not use_every_device:
         for sub, kept in subsets(cluster, precision):  # without the slowest devices: can a smaller job win?
             try:
@@ -62,7 +64,7 @@ def plan_for(
             except PlanError:  # does not fit, or the batch is too small for it
                 continue
             found += [on_full_cluster(c, kept, cluster) for c in smaller]
-        found = sorted(found, key=lambda c: c.estimate.step_s)[:top]
+    found = sorted(found, key=lambda c: c.estimate.step_s)[:top]
     return [replace(c, notes=(*c.notes, note)) for c in found] if note else found
 
 

@@ -1,0 +1,206 @@
+"""The outer level: one group of ranks per region (``Plan.groups``), synchronised across the
+inter-region link every step, with DiLoCo, or with Streaming DiLoCo.
+
+When a cluster's regions are alike (the same node types and counts, in the same order), each
+region's ranks become a group laid out by the ordinary search on that region alone and its share
+of the global batch. What the groups send each other decides the outer sync:
+
+- ``every_step`` (hierarchical): every step's gradients cross, a slice per rank;
+- ``diloco``: the fp32 weights cross once every H steps; H is the smallest at which that sync
+  costs at most :data:`OUTER_BUDGET` (10 %) of the H inner steps;
+- ``streaming``: the weights in F fragments, one crossing every H/F steps while the next
+  ``delay`` step computes; H is the smallest at which what the overlap does not hide costs at
+  most the same budget, and the link carries a fragment at a time (peak: 1/F of DiLoCo's).
+
+A sync's transfer is a ring all-reduce over the groups on the inter-region link, each group's
+bytes spread over its nodes (each node sends its ranks' slices on its own path). Every-step sync
+is the choice when it costs at most the budget of a step (training stays synchronous). Otherwise
+the option with the smallest H wins (the fewest local steps between syncs), streaming on a tie
+for its lower peak. :func:`outer_choice` says why in words.
+
+Example:
+    >>> options = outer_options(inner_step_s=0.5, params=8e9, grad_bytes=4, groups=3, seconds=link_time)
+    >>> choose(options).sync, choose(options).inner_steps
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from tessera.cluster.spec import Cluster, Node
+from tessera.errors import PlanError
+from tessera.groups import Groups
+from tessera.planner.costs import ModelCosts
+from tessera.planner.search import Candidate, search
+
+OUTER_BUDGET = 0.1  # the share of the inner steps' time a sync may cost
+STREAMING_FRAGMENTS = (2, 4, 8)
+STREAMING_DELAY = 1
+MAX_H = 10_000
+
+
+@dataclass(frozen=True)
+class OuterOption:
+    """One way to synchronise the groups, and what it costs per step (averaged over its H steps)."""
+
+    sync: str
+    inner_steps: int
+    fragments: int
+    delay: int
+    step_s: float  # inner step plus the sync's exposed share
+    exposed_s: float  # seconds per step the sync adds
+    sync_s: float  # one whole sync's transfer (all fragments)
+    bytes_per_step: float  # across regions, every group's, averaged over steps
+    peak_bytes: float  # the most that crosses at once (a sync, or a fragment)
+
+    def groups(self, count: int) -> Groups:
+        if self.sync == "every_step":
+            return Groups(count=count, sync="every_step")
+        return Groups(
+            count=count, sync=self.sync, inner_steps=self.inner_steps, fragments=self.fragments, delay=self.delay
+        )
+
+    def describe(self) -> str:
+        if self.sync == "every_step":
+            return "every step (hierarchical)"
+        if self.sync == "diloco":
+            return f"DiLoCo H={self.inner_steps}"
+        return f"streaming H={self.inner_steps} F={self.fragments} delay {self.delay}"
+
+
+def alike_regions(cluster: Cluster) -> list[list[Node]] | None:
+    """The nodes of each region, when there are several and all are made alike; else None."""
+    regions: dict[str, list[Node]] = {}
+    for node in cluster.nodes:
+        regions.setdefault(node.region, []).append(node)
+    if len(regions) < 2:
+        return None
+    make_ups = {tuple((n.device_type, n.count) for n in nodes) for nodes in regions.values()}
+    return list(regions.values()) if len(make_ups) == 1 else None
+
+
+def sync_seconds(cluster: Cluster, regions: list[list[Node]]) -> Callable[[float], float]:
+    """Seconds to average ``n_bytes`` (one group's) across the groups: a ring over the regions on their
+    slowest link, each group's bytes spread over its nodes."""
+    link = min(
+        (cluster.link(a[0].name, b[0].name) for i, a in enumerate(regions) for b in regions[i + 1 :]),
+        key=lambda lk: lk.bandwidth_gbs,
+    )
+    nodes = len(regions[0])
+    return lambda n_bytes: link.all_reduce_s(n_bytes / nodes, len(regions))
+
+
+def outer_options(
+    inner_step_s: float, params: int, grad_bytes: int, groups: int, seconds: Callable[[float], float]
+) -> list[OuterOption]:
+    """Every-step, DiLoCo and Streaming DiLoCo (each fragment count tried) for groups whose inner step takes
+    ``inner_step_s``; ``seconds(n)``: one sync of ``n`` bytes a group across the regions."""
+    across = 2 * (groups - 1)  # a ring all-reduce: every group sends 2(G - 1)/G of its bytes, G groups
+    budget = OUTER_BUDGET * inner_step_s
+    every = seconds(params * grad_bytes)
+    options = [
+        OuterOption(
+            "every_step",
+            1,
+            1,
+            0,
+            inner_step_s + every,
+            every,
+            every,
+            across * params * grad_bytes,
+            across * params * grad_bytes,
+        )  # fmt: skip
+    ]
+    weights = params * 4  # the outer gradient is fp32
+    whole = seconds(weights)
+    h = min(MAX_H, max(1, math.ceil(whole / budget)))
+    options.append(OuterOption("diloco", h, 1, 0, inner_step_s + whole / h, whole / h, whole, across * weights / h,
+                               across * weights))  # fmt: skip
+    for fragments in STREAMING_FRAGMENTS:
+        part = seconds(weights / fragments)
+        hidden = STREAMING_DELAY * inner_step_s
+        exposed = max(0.0, part - hidden)  # per fragment, beyond the delay's steps
+        # a fragment lands before the next leaves (H/F > delay), the link keeps up (a fragment's transfer
+        # fits in H/F steps), and the exposed share meets the budget
+        turn = max(STREAMING_DELAY + 1, math.ceil(part / inner_step_s), math.ceil(exposed / budget))
+        h = min(MAX_H, turn * fragments)
+        options.append(
+            OuterOption("streaming", h, fragments, STREAMING_DELAY, inner_step_s + exposed * fragments / h,
+                        exposed * fragments / h, part * fragments, across * weights / h, across * weights / fragments)
+        )  # fmt: skip
+    return options
+
+
+def choose(options: list[OuterOption]) -> OuterOption:
+    """Every-step when its sync costs at most the budget; else the smallest H (streaming on a tie)."""
+    every = options[0]
+    if every.exposed_s <= OUTER_BUDGET * (every.step_s - every.exposed_s):
+        return every
+    rest = options[1:]
+    return min(rest, key=lambda o: (o.inner_steps, o.peak_bytes, o.step_s))
+
+
+def outer_choice(options: list[OuterOption]) -> str:
+    """Why :func:`choose` picked what it picked, in one sentence with the figures."""
+    every, best = options[0], choose(options)
+    inner = every.step_s - every.exposed_s
+    if best is every:
+        return (
+            f"outer level: every-step sync across regions costs {every.exposed_s:.3g} s of a {every.step_s:.3g} s "
+            f"step (at most {OUTER_BUDGET:.0%}): training stays synchronous"
+        )
+    return (
+        f"outer level: every-step sync would add {every.exposed_s:.3g} s to a {inner:.3g} s inner step "
+        f"({every.bytes_per_step / 1e6:,.4g} MB across regions a step); {best.describe()} syncs the weights "
+        f"({best.sync_s:.3g} s a sync) for {best.exposed_s:.3g} s a step, {best.bytes_per_step / 1e6:,.4g} MB a "
+        f"step across, {best.peak_bytes / 1e6:,.4g} MB at once — the smallest H within {OUTER_BUDGET:.0%} of "
+        "the inner steps (DiLoCo trains differently from synchronous SGD: check the loss)"
+    )
+
+
+def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top: int) -> list[Candidate]:
+    """The best inner plan of one region (pipelines and mixed replicas aside: groups do not take them yet),
+    run in every region as a group, with the outer sync :func:`choose` picks. Empty unless the regions
+    are alike and the batch splits evenly over them."""
+    regions = alike_regions(cluster)
+    if regions is None or global_batch % len(regions):
+        return []
+    count = len(regions)
+    names = [{n.name for n in nodes} for nodes in regions]
+    sub = Cluster(
+        tuple(regions[0]), cluster.device_types, cluster.links,
+        {pair: link for pair, link in cluster.pair_links.items() if pair <= names[0]},
+    )  # fmt: skip
+    try:
+        found = search(sub, costs, global_batch // count, top=top)
+    except PlanError:  # one region cannot hold the model, or its batch is too small
+        return []
+    inner = [c for c in found if c.plan.pp == 1 and not c.plan.replicas]
+    devices = cluster.devices()
+    kept = [[d for d, (node, _, _) in enumerate(devices) if node in region] for region in names]
+    params = costs.stage_params(0, costs.n_layers)
+    seconds = sync_seconds(cluster, regions)
+    out = []
+    for candidate in inner[:1]:
+        options = outer_options(candidate.estimate.step_s, params, 4, count, seconds)
+        best = choose(options)
+        size = len(candidate.plan.placement) if candidate.plan.placement is not None else sub.world_size
+        placement = tuple(kept[g][candidate.plan.device_of(i)] for g in range(count) for i in range(size))
+        plan = replace(
+            candidate.plan,
+            groups=best.groups(count),
+            placement=placement,
+            rank_devices=tuple(f"{devices[d][0]}:{devices[d][1]}:{devices[d][2].name}" for d in placement),
+        )
+        estimate = replace(
+            candidate.estimate,
+            step_s=best.step_s,
+            tokens_per_s=global_batch * costs.seq_len / best.step_s,
+            bottleneck=f"{best.describe()} across {count} regions: {best.exposed_s:.3g} s a step",
+            breakdown={**candidate.estimate.breakdown, "outer_sync_s": best.exposed_s},
+        )
+        label = f"{candidate.placement}; one group per region ({count})"
+        out.append(Candidate(plan, candidate.layout, estimate, label, (*candidate.notes, outer_choice(options))))
+    return out
