@@ -107,6 +107,13 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
         elif p.dp_shares or p.pipeline.stages:
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
+        if p.groups is not None:  # dp, tp and the shares above are each group's
+            g = p.groups
+            every = f"every {g.inner_steps} steps" + (f", {g.fragments} fragments in turn" if g.fragments > 1 else "")
+            print(
+                f"{'':>3} groups: {g.count} (a region each), sync {g.sync}"
+                + ("" if g.sync == "every_step" else f" {every}")
+            )
     best = found[0]
     for line in ([precision_note] if precision_note else []) + list(best.notes):
         print(f"note: {line}")

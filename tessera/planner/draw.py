@@ -33,6 +33,8 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
         rows, shape = ranks_of(plan, cluster), f"replicas of depths {'+'.join(str(r.depth) for r in plan.replicas)}"
     else:
         rows, shape = layout.pp * len(layout.replicas), f"dp={plan.dp} tp={plan.tp} pp={plan.pp}"
+    if plan.groups is not None:  # the timeline is one group's; the title says how the groups meet
+        shape = f"{plan.groups.count} groups ({plan.groups.sync}) of {shape}"
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * max(8, rows)))
     _devices(left, plan, cluster, plt.get_cmap("tab20"))
     _timeline(right, layout, costs)
@@ -63,17 +65,21 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
         if plan.replicas is not None:  # replicas of different depth take consecutive ranks
             position = replica_ranks(plan, rank)
             stage, replica = position.stage, position.index
+        elif plan.groups is not None:  # a group per region, no stages: coloured and labelled by group
+            group_size = ranks_of(plan, cluster) // plan.groups.count
+            stage, replica = rank // group_size, (rank % group_size) // plan.tp
         else:
             stage, replica = rank // per_stage, (rank % per_stage) // plan.tp
         y = row_of[node]
         ax.add_patch(_square(local, y, cmap(stage % 20)))
-        ax.text(local + 0.5, y + 0.5, f"s{stage}\nr{replica}", ha="center", va="center", fontsize=7)
+        label = f"g{stage}" if plan.groups is not None else f"s{stage}"
+        ax.text(local + 0.5, y + 0.5, f"{label}\nr{replica}", ha="center", va="center", fontsize=7)
     ax.set_yticks([i + 0.5 for i in range(len(cluster.nodes))])
     ax.set_yticklabels([f"{n.name} ({cluster.device_type(n.name).name})" for n in cluster.nodes], fontsize=8)
     ax.set_xlim(0, max(n.count for n in cluster.nodes))
     ax.set_ylim(len(cluster.nodes), 0)
     ax.set_xticks([])
-    ax.set_title("devices: stage s, replica r")
+    ax.set_title("devices: group g, replica r" if plan.groups is not None else "devices: stage s, replica r")
 
 
 def _square(x: float, y: float, colour) -> object:
