@@ -142,9 +142,16 @@ class Booster:
         if self.plan.groups is not None and self.plan.groups.sync != "every_step":  # after the inner steps
             weights = self._group_weights()
             group = self._ctx.meshes.group("group")
-            params = dict(data_parallel.unwrap(wrapped).named_parameters())
+            module = data_parallel.unwrap(wrapped)
+            blocks = {id(b) for b in data_parallel.repeated_blocks(module)}
             self._ctx.optimizer.outer = OuterSync(
-                params, group, self.plan.groups, weights, self.group_index, members=self._ctx.meshes.inside
+                dict(module.named_parameters()),
+                group,
+                self.plan.groups,
+                weights,
+                self.group_index,
+                members=self._ctx.meshes.inside,
+                blocks=[name for name, m in module.named_modules() if id(m) in blocks],
             )
         return wrapped, self._ctx.optimizer
 

@@ -12,8 +12,8 @@ whole job (dp, ZeRO, tp, uneven shares); across groups, ``sync`` says how they m
   gradient) and an outer optimizer, SGD with Nesterov momentum by default (lr 0.7, momentum 0.9),
   applies it to the weights they last agreed on. The only traffic across groups is one
   all-reduce of the parameters every H steps.
-- ``streaming`` (Streaming DiLoCo, Douillard et al., 2025): the parameters in ``fragments``
-  contiguous runs, one synced every ``inner_steps / fragments`` steps in turn, so each still
+- ``streaming`` (Streaming DiLoCo, Douillard et al., 2025): the layers in ``fragments`` runs
+  (which must divide the layer count), one synced every ``inner_steps / fragments`` steps in turn, so each still
   syncs every H steps and the link carries a fragment at a time. With ``delay`` τ > 0 the
   transfer overlaps the next τ inner steps; when it lands, the fragment becomes the new agreed
   weights plus what those τ steps changed locally (the paper mixes the two with a factor α).

@@ -63,7 +63,7 @@ def synchronous_reference(steps: int) -> dict:
 
 def outer_reference(inner: str, steps: int, spec: Groups | None) -> dict:
     """DiLoCo (and Streaming DiLoCo) replayed in one process: a model and an optimizer per group, each
-    taking its part of every global batch. Fragment f of the parameters (contiguous runs) leaves at
+    taking its part of every global batch. Fragment f of the layers leaves at
     steps (f + 1)·H/F, then every H: its mean change (agreed − current) steps the agreed weights with
     the outer SGD ``delay`` steps later, and the groups continue from them plus what those steps
     changed locally. ``spec`` None: the groups never meet."""
@@ -72,9 +72,12 @@ def outer_reference(inner: str, steps: int, spec: Groups | None) -> dict:
     params = [list(m.parameters()) for m in models]
     agreed = [p.detach().clone() for p in params[0]]
     fragments = spec.fragments if spec else 1
-    size, extra = divmod(len(agreed), fragments)
-    bounds = [f * size + min(f, extra) for f in range(fragments + 1)]
-    runs = list(zip(bounds, bounds[1:]))
+    assert fragments in (1, 2), "the replay knows the 2-layer model's split in two"
+    # Streaming DiLoCo's fragments are runs of whole layers: with two, the embeddings and layer 0, then
+    # layer 1 with the final norm and the head.
+    names = [name for name, _ in models[0].named_parameters()]
+    split = next(i for i, name in enumerate(names) if name.startswith("layers.1.")) if fragments == 2 else len(names)
+    runs = [(0, split), (split, len(names))] if fragments == 2 else [(0, len(names))]
     outers = [
         torch.optim.SGD(agreed[a:b], lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=spec.nesterov)
         for a, b in runs
@@ -200,6 +203,19 @@ def refusals(root: str) -> list[str]:
     return out
 
 
+def refused_fragments() -> str:
+    """Streaming DiLoCo with 3 fragments of a 2-layer model: the error every rank gets."""
+    import tessera
+
+    model = build_model("llama")
+    booster = tessera.Booster(Plan.from_dict(_plan(**{**STREAMING, "inner_steps": 6, "fragments": 3})))
+    try:
+        booster.boost(model, _inner_optimizer("adamw", model.parameters()))
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
 @pytest.fixture(scope="module")
 def train_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in [*TRAIN_PLANS, "refusals"]}
@@ -212,6 +228,7 @@ def runs(train_roots: dict[str, Path]) -> dict[str, list]:
         {f"train {name}": (train_stop_resume, (str(train_roots[name]), plan)) for name, plan in TRAIN_PLANS.items()}
     )
     calls["refusals"] = (refusals, (str(train_roots["refusals"]),))
+    calls["fragments"] = (refused_fragments, ())
     return run_shared(4, calls)
 
 
@@ -445,3 +462,8 @@ def test_tessera_merge_judges_each_island_and_their_average_on_held_out_text(run
         merge([checkpoint, checkpoint])
     with pytest.raises(CheckpointError, match="tessera merge"):
         load_full_model_state(checkpoint)
+
+
+def test_fragments_that_do_not_divide_the_layers_are_refused(runs: dict) -> None:
+    for message in runs["fragments"]:
+        assert "fragments=3 must divide the model's 2 layers" in message, message

@@ -35,7 +35,7 @@ from tessera.parallel.compress import BLOCK, ErrorFeedback, sum_payloads
 
 
 class _Fragment:
-    """A contiguous run of the parameters, synced on its own turn: its agreed weights, their outer
+    """A run of the model's layers (and the parameters beside them), synced on its own turn: its agreed weights, their outer
     optimizer, and the transfer in flight (its all-reduce, when its result is due, and the pieces as
     they were when it left)."""
 
@@ -58,9 +58,11 @@ class _Fragment:
 class OuterSync:
     """DiLoCo's outer loop over this rank's pieces of ``params`` (by name); ``group``: the ranks holding
     the same pieces in the other groups; ``weights``: each group's share of the global batch (they sum
-    to 1); ``index``: this rank's group; ``members``: that group's ranks (they write its checkpoint).
+    to 1); ``index``: this rank's group; ``members``: that group's ranks (they write its checkpoint);
+    ``blocks``: the names of the model's repeated blocks, in order (Streaming DiLoCo's fragments are
+    runs of them).
 
-    Streaming DiLoCo (``spec.fragments`` > 1) syncs one fragment of the parameters every
+    Streaming DiLoCo (``spec.fragments`` > 1) syncs one fragment of the layers every
     ``inner_steps / fragments`` steps, in turn, so each still syncs every ``inner_steps``. With
     ``spec.delay`` τ > 0 a fragment's all-reduce runs while the next τ inner steps compute; when it
     lands, the fragment becomes the new agreed weights plus what those τ local steps changed."""
@@ -73,21 +75,18 @@ class OuterSync:
         weights: list[float],
         index: int,
         members: dist.ProcessGroup | None = None,
+        blocks: list[str] | None = None,
     ) -> None:
         self.spec, self.group, self.weight, self.index, self.members = spec, group, weights[index], index, members
         # Replicas inside a group (DDP, ZeRO-1: every rank holds every weight) split the sync: each sends a
         # slice across and the group gathers the averaged slices, so the model crosses once per group.
         replicated = members is not None and dist.get_world_size(members) > 1
         self.replicas = members if replicated and not any(isinstance(p, DTensor) for p in params.values()) else None
-        named = list(params.items())
-        if len(named) < spec.fragments:
-            raise PlanError(
-                f"Plan.groups.fragments={spec.fragments} but this rank holds {len(named)} parameter tensors: "
-                "use at most that many fragments."
-            )
-        size, extra = divmod(len(named), spec.fragments)
-        bounds = [f * size + min(f, extra) for f in range(spec.fragments + 1)]
-        self.fragments = [_Fragment(dict(named[a:b]), spec) for a, b in zip(bounds, bounds[1:])]
+        which = fragment_of(list(params), blocks or [], spec.fragments)
+        self.fragments = [
+            _Fragment({n: p for (n, p), f in zip(params.items(), which) if f == fragment}, spec)
+            for fragment in range(spec.fragments)
+        ]
         self.step = 0  # inner steps taken
 
     def after_inner_step(self) -> None:
@@ -242,6 +241,27 @@ class OuterSync:
     def _split(fragment: _Fragment, flat: torch.Tensor) -> list[torch.Tensor]:
         """A fragment's flat values as one tensor per piece."""
         return [t.view_as(a) for t, a in zip(flat.split([a.numel() for a in fragment.agreed]), fragment.agreed)]
+
+
+def fragment_of(names: list[str], blocks: list[str], fragments: int) -> list[int]:
+    """Streaming DiLoCo's fragment of each parameter: the model's blocks (layers) in ``fragments`` equal
+    runs, and every parameter outside them with the run it sits beside in the model's order (the
+    embeddings with the first, the final norm and head with the last)."""
+    if fragments == 1:
+        return [0] * len(names)
+    if not blocks or len(blocks) % fragments:
+        raise PlanError(
+            f"Plan.groups.fragments={fragments} must divide the model's {len(blocks)} layers (its repeated "
+            f"blocks): each fragment is a run of whole layers; use a divisor of {len(blocks) or 'the layer count'}."
+        )
+    per = len(blocks) // fragments
+    out, current = [], 0
+    for name in names:
+        block = next((i for i, prefix in enumerate(blocks) if name.startswith(prefix + ".")), None)
+        if block is not None:
+            current = block // per
+        out.append(current)
+    return out
 
 
 def _like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
