@@ -9,8 +9,8 @@ text through ``tessera train --testbed``, with the same tokens, seed and schedul
   slices across, all-gather inside;
 - *DiLoCo H*: ``sync: diloco`` with ``inner_steps`` H (outer Nesterov SGD lr 0.7, momentum 0.9),
   also with int8 outer gradients;
-- *streaming*: ``sync: streaming``, the model in 5 fragments synced in turn, each landing a step
-  after it leaves.
+- *streaming*: ``sync: streaming``, the model's 4 layers in 2 fragments synced in turn, each
+  landing a step after it leaves.
 
 Reported per layout (median over seeds): the held-out loss of the final model (``tessera merge``
 on the last checkpoint: the text after what the run read; the groups' average where they hold
@@ -56,9 +56,9 @@ LAYOUTS: dict[str, dict] = {
     "DiLoCo H=50": {"preset": "ddp", "groups": groups("diloco", inner_steps=50)},
     "DiLoCo H=100": {"preset": "ddp", "groups": groups("diloco", inner_steps=100)},
     "DiLoCo H=50 int8": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, compression="int8")},
-    "streaming H=50 F=5": {"preset": "ddp", "groups": groups("streaming", inner_steps=50, fragments=5, delay=1)},
+    "streaming H=50 F=2": {"preset": "ddp", "groups": groups("streaming", inner_steps=50, fragments=2, delay=1)},
 }
-FRAGMENTS = 5
+FRAGMENTS = 2
 
 
 def cluster_spec() -> dict:
