@@ -131,6 +131,56 @@ def _merge(checkpoint: Path, out: Path) -> str:
     return out.read_text()
 
 
+def sync_check(work: Path) -> dict[str, dict[str, float]]:
+    """The planner's outer-level cost of one sync across the link (tessera.planner.outer, from the cluster
+    file's 20 Mbit/s) next to what the runs under ``work`` measured: for DiLoCo, the median step that
+    syncs minus the median step that does not (steps 3.. of every seed); for every-step sync, the
+    hierarchical step minus DiLoCo H=50's median step that does not sync."""
+    from tessera.cluster.spec import Cluster
+    from tessera.planner.outer import sync_seconds
+    from tessera.train.build import build_model
+    from tessera.train.config import parse_config
+
+    cluster = Cluster.from_dict(cluster_spec())
+    predict = sync_seconds(cluster, [[cluster.nodes[0]], [cluster.nodes[1]]])
+    cfg = parse_config(config(work, "x", {"preset": "ddp"}, 1, 0))
+    import torch
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(cfg).parameters())
+    steps: dict[str, list[float]] = {}
+    sync: dict[str, list[float]] = {}
+    for metrics in sorted((work / "runs").glob("*/metrics.jsonl")):
+        layout = next(
+            (name for name in LAYOUTS if metrics.parent.name.startswith(re.sub(r"[^A-Za-z0-9_.-]", "_", name) + "-s")),
+            None,
+        )
+        if layout is None:
+            continue
+        h = (
+            LAYOUTS[layout].get("groups", {}).get("inner_steps")
+            if LAYOUTS[layout].get("groups", {}).get("sync") == "diloco"
+            else None
+        )
+        for r in (json.loads(line) for line in metrics.read_text().splitlines()):
+            if "step_time_s" not in r or r["step"] < 3:
+                continue
+            (sync if h and r["step"] % h == 0 else steps).setdefault(layout, []).append(r["step_time_s"])
+    out = {}
+    inner = statistics.median(steps["DiLoCo H=50"]) if "DiLoCo H=50" in steps else None
+    for layout, times in sync.items():
+        out[layout] = {
+            "predicted_s": predict(4 * params),
+            "measured_s": statistics.median(times) - statistics.median(steps[layout]),
+        }
+    if inner is not None and "hierarchical" in steps:
+        out["hierarchical"] = {
+            "predicted_s": predict(4 * params),
+            "measured_s": statistics.median(steps["hierarchical"]) - inner,
+        }
+    return out
+
+
 def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, Any]]:
     flat = {k: statistics.median(r[k] for r in runs["flat"]) for k in runs["flat"][0]}
     table = {}
@@ -153,7 +203,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--sync-check", type=Path, metavar="WORK", help="compare a finished run folder's syncs with the planner's"
+    )
     args = ap.parse_args()
+    if args.sync_check:
+        for layout, row in sync_check(args.sync_check).items():
+            print(f"{layout:<20} one sync: predicted {row['predicted_s']:.3f} s, measured {row['measured_s']:.3f} s")
+        return
     work = Path(tempfile.mkdtemp(prefix="tessera-cross-region-"))
     cluster = work / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(cluster_spec()))
@@ -174,9 +231,14 @@ def main() -> None:
             f"{row['bytes_vs_flat']:>8.1f} {m['peak_step_bytes_across'] / 1e6:>8.2f} {m['train_s']:>8.1f} "
             f"{row['speedup_vs_flat']:>9.2f}"
         )
+    checks = sync_check(work)
+    for layout, row in checks.items():
+        print(f"{layout:<20} one sync: predicted {row['predicted_s']:.3f} s, measured {row['measured_s']:.3f} s")
     if args.json:
         meta = {"link_mbit": LINK_MBIT, "cpus": CPUS, "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS}
-        args.json.write_text(json.dumps({"setup": meta, "layouts": table}, indent=1))
+        args.json.write_text(
+            json.dumps({"setup": meta, "layouts": table, "sync_check": checks, "work": str(work)}, indent=1)
+        )
         print(f"wrote {args.json}")
 
 
