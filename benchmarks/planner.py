@@ -24,7 +24,12 @@ Part d (memory binds): two types, a fast device with little memory and a slow on
 A 2.2 B-parameter Llama, fp32 Adam: the speed-proportional plan (uneven shares, plain DDP) does
 not fit the fast device; the planner's plan, and what it chose instead.
 
-    python benchmarks/planner.py [--part all|regret|time|family|memory] [--reps 3] [--json out.json]
+Part e (the outer level): the same 70B model on 4,608 H100 (8 a node) in 3 regions of 1,536 made
+alike, joined by the default inter-region link (1 GB/s, 50 ms), global batch 1,536: the best plan
+without groups (gradients cross the regions every step) and with one group per region (the outer
+sync the planner picks), with what crosses the regions a step.
+
+    python benchmarks/planner.py [--part all|regret|time|family|memory|regions] [--reps 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -210,9 +215,46 @@ def memory_bound() -> dict:
     return out
 
 
+def regions_outer() -> dict:
+    """Part e: predicted step of the 70B shape on 3 alike regions, without and with the outer level."""
+    from tessera.planner.outer import outer_candidates
+
+    costs = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    cluster, batch = regular_cluster(4608, ("H100",), regions=3), 1536
+    start = time.perf_counter()
+    flat = search(cluster, costs, batch, top=1)[0]
+    flat_s = time.perf_counter() - start
+    start = time.perf_counter()
+    (grouped,) = outer_candidates(cluster, costs, batch, top=1)
+    grouped_s = time.perf_counter() - start
+    rows = {}
+    for name, c, took in (("without groups", flat, flat_s), ("a group per region", grouped, grouped_s)):
+        p, e = c.plan, c.estimate
+        sync = max(e.sync_s) if e.sync_s else 0.0
+        rows[name] = {
+            "plan": f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} m{p.pipeline.microbatches}"
+            + (
+                f", {p.groups.count} groups {p.groups.sync} H={p.groups.inner_steps} F={p.groups.fragments}"
+                if p.groups
+                else ""
+            ),
+            "step_s": e.step_s,
+            "tokens_per_s": e.tokens_per_s,
+            "grad_sync_s": sync,
+            "outer_sync_s": e.breakdown.get("outer_sync_s", 0.0),
+            "bottleneck": e.bottleneck,
+            "notes": list(c.notes),
+            "search_s": took,
+        }
+        print(f"{name}: {e.step_s:.3g} s/step ({e.tokens_per_s:,.0f} tokens/s), {rows[name]['plan']}; {e.bottleneck}")
+    for note in grouped.notes:
+        print(f"  note: {note}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "family", "memory"))
+    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "family", "memory", "regions"))
     ap.add_argument("--family-seeds", type=int, default=3, help="generated clusters per size in part family")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clusters", type=int, default=24)
@@ -228,6 +270,8 @@ def main() -> None:
         result["family_time"] = family_time(args.family_seeds, (16, 24, 64, 256, 1024, 4096))
     if args.part in ("all", "memory"):
         result["memory_bound"] = memory_bound()
+    if args.part in ("all", "regions"):
+        result["regions_outer"] = regions_outer()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

@@ -35,9 +35,9 @@ from tessera.parallel.compress import BLOCK, ErrorFeedback, sum_payloads
 
 
 class _Fragment:
-    """A run of the model's layers (and the parameters beside them), synced on its own turn: its agreed weights, their outer
-    optimizer, and the transfer in flight (its all-reduce, when its result is due, and the pieces as
-    they were when it left)."""
+    """A run of the model's layers (and the parameters beside them), synced on its own turn: its agreed
+    weights, their outer optimizer, and the transfer in flight (its all-reduce, when its result is due,
+    and the pieces as they were when it left)."""
 
     def __init__(self, params: dict[str, nn.Parameter], spec: Groups) -> None:
         self.names, self.params = list(params), list(params.values())

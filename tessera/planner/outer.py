@@ -39,6 +39,7 @@ OUTER_BUDGET = 0.1  # the share of the inner steps' time a sync may cost
 STREAMING_FRAGMENTS = (2, 4, 8)
 STREAMING_DELAY = 1
 MAX_H = 10_000
+INNER_TOP = 50  # inner plans searched: the fastest may pipeline, which groups do not take yet
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,18 @@ def outer_choice(options: list[OuterOption]) -> str:
         )
     return (
         f"outer level: every-step sync would add {every.exposed_s:.3g} s to a {inner:.3g} s inner step "
-        f"({every.bytes_per_step / 1e6:,.4g} MB across regions a step); {best.describe()} syncs the weights "
-        f"({best.sync_s:.3g} s a sync) for {best.exposed_s:.3g} s a step, {best.bytes_per_step / 1e6:,.4g} MB a "
-        f"step across, {best.peak_bytes / 1e6:,.4g} MB at once — the smallest H within {OUTER_BUDGET:.0%} of "
+        f"({_size(every.bytes_per_step)} across regions a step); {best.describe()} syncs the weights "
+        f"({best.sync_s:.3g} s a sync) for {best.exposed_s:.3g} s a step, {_size(best.bytes_per_step)} a "
+        f"step across, {_size(best.peak_bytes)} at once — the smallest H within {OUTER_BUDGET:.0%} of "
         "the inner steps (DiLoCo trains differently from synchronous SGD: check the loss)"
     )
+
+
+def _size(n_bytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.3g} {unit}"
+    return f"{n_bytes:.0f} B"
 
 
 def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top: int) -> list[Candidate]:
@@ -174,7 +182,7 @@ def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top
         {pair: link for pair, link in cluster.pair_links.items() if pair <= names[0]},
     )  # fmt: skip
     try:
-        found = search(sub, costs, global_batch // count, top=top)
+        found = search(sub, costs, global_batch // count, top=max(top, INNER_TOP))
     except PlanError:  # one region cannot hold the model, or its batch is too small
         return []
     inner = [c for c in found if c.plan.pp == 1 and not c.plan.replicas]
