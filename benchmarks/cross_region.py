@@ -9,6 +9,7 @@ text through ``tessera train --testbed``, with the same tokens, seed and schedul
   slices across, all-gather inside;
 - *DiLoCo H*: ``sync: diloco`` with ``inner_steps`` H (outer Nesterov SGD lr 0.7, momentum 0.9),
   also with int8 outer gradients;
+- *average*: DiLoCo's schedule with outer SGD lr 1 and no momentum: the groups' weights averaged;
 - *streaming*: ``sync: streaming``, the model's 4 layers in 2 fragments synced in turn, each
   landing a step after it leaves.
 
@@ -56,6 +57,11 @@ LAYOUTS: dict[str, dict] = {
     "DiLoCo H=50": {"preset": "ddp", "groups": groups("diloco", inner_steps=50)},
     "DiLoCo H=100": {"preset": "ddp", "groups": groups("diloco", inner_steps=100)},
     "DiLoCo H=50 int8": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, compression="int8")},
+    # plain model averaging every 50 steps (outer SGD, lr 1, no momentum): is it the outer optimizer?
+    "average H=50": {
+        "preset": "ddp",
+        "groups": groups("diloco", inner_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+    },
     "streaming H=50 F=2": {"preset": "ddp", "groups": groups("streaming", inner_steps=50, fragments=2, delay=1)},
 }
 FRAGMENTS = 2
@@ -204,6 +210,9 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--add-to", type=Path, metavar="JSON", help="an earlier run's --json: its runs join these (flat's too)"
+    )
+    ap.add_argument(
         "--sync-check", type=Path, metavar="WORK", help="compare a finished run folder's syncs with the planner's"
     )
     args = ap.parse_args()
@@ -220,6 +229,9 @@ def main() -> None:
             result = run(work, cluster, layout, args.steps, seed)
             runs[layout].append(result)
             print(f"seed {seed} {layout}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
+    if args.add_to:  # earlier layouts (and their work folder, for the sync check) join this run's
+        earlier = json.loads(args.add_to.read_text())
+        runs = {**{layout: row["runs"] for layout, row in earlier["layouts"].items() if layout not in runs}, **runs}
     table = summarise(runs)
     print(f"\n{'layout':<20} {'held-out':>9} {'vs flat':>8} {'MB across':>10} {'kernel MB':>10} {'x fewer':>8} "
           f"{'peak MB':>8} {'train s':>8} {'x faster':>9}")  # fmt: skip
@@ -231,7 +243,7 @@ def main() -> None:
             f"{row['bytes_vs_flat']:>8.1f} {m['peak_step_bytes_across'] / 1e6:>8.2f} {m['train_s']:>8.1f} "
             f"{row['speedup_vs_flat']:>9.2f}"
         )
-    checks = sync_check(work)
+    checks = {**(json.loads(args.add_to.read_text()).get("sync_check", {}) if args.add_to else {}), **sync_check(work)}
     for layout, row in checks.items():
         print(f"{layout:<20} one sync: predicted {row['predicted_s']:.3f} s, measured {row['measured_s']:.3f} s")
     if args.json:
