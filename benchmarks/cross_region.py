@@ -175,6 +175,8 @@ def sync_check(work: Path) -> dict[str, dict[str, float]]:
     out = {}
     inner = statistics.median(steps["DiLoCo H=50"]) if "DiLoCo H=50" in steps else None
     for layout, times in sync.items():
+        if LAYOUTS[layout]["groups"].get("compression"):  # the planner prices uncompressed syncs only
+            continue
         out[layout] = {
             "predicted_s": predict(4 * params),
             "measured_s": statistics.median(times) - statistics.median(steps[layout]),
