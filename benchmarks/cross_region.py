@@ -29,7 +29,6 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from testbed_cluster import tessera  # noqa: E402  (runs `tessera ...`, exits with its stderr on failure)
 
 LINK_MBIT = 20.0
 CPUS = 1.6  # of the machine's 2 cores: 0.4 a rank, the rest for the harness and the kernel
@@ -97,13 +99,6 @@ def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int) -> dict:
         "checkpoint": {"every": 0, "resume": "never"},
         "logging": {"run_name": name, "out_dir": str(out_dir), "progress": False, "tensorboard": False},
     }
-
-
-def tessera(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"tessera {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return proc.stdout + proc.stderr
 
 
 def run(work: Path, cluster: Path, layout: str, steps: int, seed: int) -> dict[str, float]:
