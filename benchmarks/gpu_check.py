@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,13 @@ TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
 SYSTEMS = ("tessera-zero3", "torch-fsdp2", "torch-fsdp2-compiled")
 
 
-def llama(shape: dict, seq: int) -> torch.nn.Module:
+def llama(shape: dict, seq: int, device: torch.device | None = None) -> torch.nn.Module:
+    """The check's Llama, initialised on ``device`` (a 1 B model takes seconds to initialise on a CPU)."""
     from tessera.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    return Llama(LlamaConfig(max_seq_len=seq, **shape))
+    with torch.device(device or "cpu"):
+        return Llama(LlamaConfig(max_seq_len=seq, **shape))
 
 
 def batches(shape: dict, batch: int, seq: int, device: torch.device, n: int) -> list[torch.Tensor]:
@@ -60,7 +63,7 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
     """Median seconds per training step of ``name`` (after two warm-up steps)."""
     import tessera
 
-    model = llama(shape, seq).to(device)
+    model = llama(shape, seq, device)
     data = batches(shape, batch, seq, device, steps + 2)
     if name == "tessera-zero3":
         booster = tessera.Booster(tessera.ZeRO(stage=3, precision=dtype))
@@ -99,34 +102,80 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
     return statistics.median(times)
 
 
-def step_times(shape: dict, seq: int, batch: int, steps: int, reps: int, device: torch.device, dtype: str) -> dict:
+def step_times(
+    shape: dict,
+    seq: int,
+    batch: int,
+    steps: int,
+    reps: int,
+    device: torch.device,
+    dtype: str,
+    deadline: float = float("inf"),
+    progress: Callable[[dict], None] = lambda _: None,
+) -> dict:
+    """Every system's median step over ``reps`` interleaved repetitions; no new repetition starts after
+    ``deadline`` (time.monotonic()), and ``progress`` gets the figures so far after every run."""
+    params = sum(p.numel() for p in llama(shape, seq, torch.device("meta")).parameters())
+    runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    errors: dict[str, str] = {}
+    for rep in range(reps):
+        if rep and time.monotonic() > deadline:
+            print(f"time budget spent: stopping after {rep} repetitions", flush=True)
+            break
+        for name in SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]:  # rotated order
+            try:
+                runs[name].append(run_system(name, shape, seq, batch, steps, device, dtype))
+            except Exception as exc:  # one system failing must not cost the others' figures
+                errors.setdefault(name, f"{type(exc).__name__}: {exc}"[:2000])
+                print(f"rep {rep} {name}: FAILED {errors[name]}", flush=True)
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the last system's model is gone: hand its memory back
+            print(f"rep {rep} {name:22s} {runs[name][-1]:.4f} s/step", flush=True)
+            progress({**summarise(runs, params, batch * seq, device, dtype), "errors": errors})
+    return {**summarise(runs, params, batch * seq, device, dtype), "errors": errors}
+
+
+def summarise(runs: dict[str, list[float]], params: int, batch_seq: int, device: torch.device, dtype: str) -> dict:
+    """Medians, TFLOP/s, MFU and ratios to plain FSDP2 of the runs so far."""
     from tessera.cluster.catalog import CATALOG
 
-    params = sum(p.numel() for p in llama(shape, seq).parameters())
-    runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-    for rep in range(reps):
-        for name in SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]:  # rotated order
-            runs[name].append(run_system(name, shape, seq, batch, steps, device, dtype))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the last system's model is gone: hand its memory back
-            print(f"rep {rep} {name:22s} {runs[name][-1]:.4f} s/step", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     entry = next((t for key, t in CATALOG.items() if key.split("-")[0] in name), None)
     peak = entry.peak(dtype) if entry is not None else None
-    out = {"device": name, "params": params, "tokens_per_step": batch * seq, "peak_tflops": peak, "systems": {}}
+    out = {"device": name, "params": params, "tokens_per_step": batch_seq, "peak_tflops": peak, "systems": {}}
     for system, times in runs.items():
+        if not times:
+            continue
         step = statistics.median(times)
-        tflops = 6 * params * batch * seq / step / 1e12
+        tflops = 6 * params * batch_seq / step / 1e12
         out["systems"][system] = {
             "step_s": step,
             "runs_s": times,
             "tflops": tflops,
             "mfu": tflops / peak if peak else None,
         }
-    base = out["systems"]["torch-fsdp2"]["step_s"]
-    for system in SYSTEMS:
-        out["systems"][system]["step_over_torch_fsdp2"] = out["systems"][system]["step_s"] / base
+    base = out["systems"].get("torch-fsdp2", {}).get("step_s")
+    for row in out["systems"].values():
+        row["step_over_torch_fsdp2"] = row["step_s"] / base if base else None
     return out
+
+
+def matmul_ceiling(device: torch.device, dtype: str, size: int) -> float:
+    """TFLOP/s of one size³ matrix product on random data, median of ten after three warm-ups: what
+    this device really reaches, beside the datasheet peak that MFU divides by."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    a, b = (torch.randn(size, size, device=device, dtype=low) for _ in range(2))
+    times = []
+    for i in range(13):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e12
 
 
 # ------------------------------------------------------------------ offload parity
@@ -138,7 +187,7 @@ def offload_parity(device: torch.device, steps: int = 4) -> dict:
     data = batches(shape, 4, seq, device, steps)
     results: dict[str, Any] = {}
     for offload in (False, True):
-        model = llama(shape, seq).to(device)
+        model = llama(shape, seq, device)
         booster = tessera.Booster(tessera.ZeRO(stage=3, offload=offload))
         model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         losses = []
@@ -162,6 +211,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--json")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="start no step-time repetition after this")
     args = ap.parse_args()
 
     import tessera
@@ -175,19 +225,41 @@ def main() -> None:
     reps, steps = args.reps or (3 if cuda else 1), args.steps or (6 if cuda else 2)
     dtype = "bf16" if cuda else "fp32"
     start = time.monotonic()
-    out = {"mode": "gpu" if cuda else "tiny cpu (figures mean nothing)", "dtype": dtype}
-    out["step_time"] = step_times(shape, seq, batch, steps, reps, device, dtype)
-    out["offload_parity"] = offload_parity(device)
-    out["wall_s"] = time.monotonic() - start
+    out: dict[str, Any] = {
+        "mode": "gpu" if cuda else "tiny cpu (figures mean nothing)",
+        "dtype": dtype,
+        "torch": torch.__version__,
+    }
+
+    def write(partial: dict | None = None) -> None:  # after every figure: a run cut short keeps what it had
+        if partial is not None:
+            out["step_time"] = partial
+        out["wall_s"] = time.monotonic() - start
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+    # Offload parity first: it takes seconds, and it is the part no CPU run can check.
+    try:
+        out["offload_parity"] = offload_parity(device)
+    except Exception as exc:  # recorded, and the step times still run
+        out["offload_parity"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    out["matmul_tflops"] = matmul_ceiling(device, dtype, 8192 if cuda else 256)
+    write()
+    out["step_time"] = step_times(shape, seq, batch, steps, reps, device, dtype, start + args.budget_s, write)
+    write()
     for system, row in out["step_time"]["systems"].items():
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+        ratio = f"x{row['step_over_torch_fsdp2']:.2f}" if row["step_over_torch_fsdp2"] else "n/a"
         print(f"{system:22s} {row['step_s']:.4f} s/step  {row['tflops']:.1f} TFLOP/s  MFU {mfu}  "
-              f"x{row['step_over_torch_fsdp2']:.2f} of torch-fsdp2")  # fmt: skip
+              f"{ratio} of torch-fsdp2")  # fmt: skip
+    print(f"one {dtype} matrix product: {out['matmul_tflops']:.1f} TFLOP/s")
     parity = out["offload_parity"]
+    if "error" in parity:
+        print(f"offload parity FAILED: {parity['error']}")
+        raise SystemExit(1)
     print(f"offload parity: max relative loss difference {parity['max_relative_loss_difference']:.2e}, "
           f"offloaded parameters on {parity['offload']['parameter_devices']}")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -408,6 +408,11 @@ def test_tessera_train_with_groups_resumes_bit_for_bit_between_outer_syncs(
     records = latest_records(root / "straight" / "t" / "metrics.jsonl")
     across = [r["comm_bytes_per_step"]["across_groups"] for r in records]
     assert len(across) == TRAIN_STEPS and sum(across) == straight["traffic"]["across_groups"]["bytes"] > 0
+    # every step is reported, so its collectives are timed: each outer sync's record has its bandwidth
+    # (the few kB of the metrics gather itself cross too, outside the step: counted, not timed)
+    syncs = [r for r, sent in zip(records, across) if sent > 10_000]
+    assert syncs and all(r["comm_gbit_s"]["across_groups"] > 0 for r in syncs)
+    assert straight["traffic"]["across_groups"]["gbit_s"] > 0
     at_stop = [_group_tensors(root / "split", STOP_AT, g, tmp_path) for g in range(GROUPS)]
     weight = "model.layers.0.attention.wq.weight"
     assert not torch.equal(at_stop[0][weight], at_stop[1][weight])  # the groups were apart when it stopped

@@ -211,6 +211,12 @@ class Trainer:
                 faults.before_step(self.step + 1)
                 t0 = time.perf_counter()
                 measured = self.step + 1 == cfg.train.measure_memory_at
+                reported = (
+                    measured
+                    or (self.step + 1) % cfg.train.log_every == 0
+                    or self.step + 1 in (start_step + 1, last_step)
+                )
+                traffic.timing(reported)  # the bandwidth of the steps reported: timing costs a callback each
                 with self._peak_bytes() if measured else contextlib.nullcontext() as peak:
                     loss, grad_norm, state_bytes = train_step(
                         self.model,
@@ -221,12 +227,13 @@ class Trainer:
                         self.step + 1,
                         cfg.train.timeout_s,
                     )
+                traffic.timing(False)
                 lr = self.schedule.get_last_lr()[0]
                 self.schedule.step()
                 global_loss = self.booster.reduce_loss(loss).item()
                 self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
                 self.losses.append(global_loss)
-                if measured or self.step % cfg.train.log_every == 0 or self.step in (start_step + 1, last_step):
+                if reported:
                     timing = (time.perf_counter() - t0, time.perf_counter() - start_time, self.step - start_step)
                     peak_bytes = peak[0] if measured else None
                     self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing, peak_bytes)
