@@ -54,6 +54,7 @@ from tessera.checkpoint_readers import (
     DataOnlyReader,
     errors_within,
     read_data,
+    read_meta,
     refusal_inside,
 )
 from tessera.data.sharding import map_tensors
@@ -197,7 +198,7 @@ def save_checkpoint(
         dist.barrier()
         if rank == 0:
             torch.save(trainer_state, tmp / "trainer.pt")
-            groups = _outer(optimizer).spec.count if _outer(optimizer) is not None else None
+            groups = outer.spec.count if (outer := _outer(optimizer)) is not None else None
             record = {"step": step, "world_size": dist.get_world_size(), "groups": groups, **meta}
             (tmp / "meta.json").write_text(json.dumps(record))
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
@@ -249,19 +250,6 @@ def _read_metadata(path: Path) -> Any:
         raise CheckpointError(
             f"checkpoint '{path}' is corrupted or unreadable ({type(exc).__name__}: {exc})."
         ) from None
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    """meta.json: its world size and groups checked."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        if not isinstance(meta["world_size"], int) or not isinstance(meta.get("groups"), (int, type(None))):
-            raise TypeError
-    except (ValueError, KeyError, TypeError, OSError):
-        raise CheckpointError(
-            f"'{path / 'meta.json'}' is corrupted: it does not say the checkpoint's world size and groups."
-        ) from None
-    return meta
 
 
 def _check_same_groups(path: Path, saved: int | None, optimizer: Any) -> None:
@@ -325,9 +313,7 @@ def _own_param_names(loaded: dict[str, Any], mine: dict[str, Any]) -> None:
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """Load model and optimizer state (any layout) from ``path``; return the trainer state."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
-        raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
-    meta = _read_meta(path)
+    meta = read_meta(path)
     _check_same_groups(path, meta.get("groups"), optimizer)
     folder, members = _dcp_folder(path, optimizer)
     metadata = _read_metadata(folder)

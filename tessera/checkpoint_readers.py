@@ -12,6 +12,7 @@ refused with a :class:`CheckpointError` naming the file.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +143,27 @@ def read_data(path: Path) -> object:
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"'{path}' is corrupted or incomplete ({first}): nothing loaded.") from None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A complete checkpoint's ``meta.json``: a mapping whose world size is a count and whose groups
+    (``Plan.groups`` with an outer sync) are a count or absent; refused with the file named otherwise."""
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (ValueError, OSError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"'{meta_file}' is corrupted: it is not a JSON mapping.")
+    world, groups = meta.get("world_size"), meta.get("groups")
+    if not _is_count(world):
+        raise CheckpointError(f"'{meta_file}' is corrupted: world_size={world!r} is not a count of ranks.")
+    if groups is not None and not _is_count(groups):
+        raise CheckpointError(f"'{meta_file}' is corrupted: groups={groups!r} is not a count.")
+    return meta
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -7,14 +7,19 @@ Runs in one plain process (no process group), whatever layout wrote the checkpoi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from tessera.checkpoint_readers import CheckpointError, DataOnlyFullLoadPlanner, DataOnlyReader, refusal_inside
+from tessera.checkpoint_readers import (
+    CheckpointError,
+    DataOnlyFullLoadPlanner,
+    DataOnlyReader,
+    read_meta,
+    refusal_inside,
+)
 from tessera.inputs import InputError, check_output_dir, check_output_file
 
 
@@ -23,7 +28,7 @@ def check_export_targets(checkpoint: str | Path, out: str | None, hf_dir: str | 
     existing file or non-empty directory (without ``force``), a path that is a directory, under a file,
     or not writable."""
     source = Path(checkpoint).resolve()
-    checkpoint_meta(checkpoint_root(source))
+    read_meta(checkpoint_root(source))
     for target, flag in ((out, "--out"), (hf_dir, "--hf-dir")):
         if target is None:
             continue
@@ -50,29 +55,13 @@ def checkpoint_root(path: str | Path) -> Path:
     return path.parent if path.name.startswith("group_") and (path.parent / "meta.json").is_file() else path
 
 
-def checkpoint_meta(path: str | Path) -> dict:
-    """A complete checkpoint's meta.json (refused when there is none or it is not a mapping)."""
-    meta_file = Path(path) / "meta.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"'{path}' is not a complete Tessera checkpoint (no meta.json).")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"'{meta_file}' is corrupted: it is not a JSON mapping.")
-    return meta
-
-
 def model_folders(path: str | Path) -> list[tuple[str, Path]]:
     """Each model a checkpoint holds, named, with the folder of its DCP state: the checkpoint itself, or
     one folder per group under Plan.groups with an outer sync (``group_<g>``)."""
     path = Path(path)
-    groups = checkpoint_meta(path).get("groups")
+    groups = read_meta(path).get("groups")
     if groups is None:
         return [(path.name, path)]
-    if not isinstance(groups, int) or groups < 1:
-        raise CheckpointError(f"'{path / 'meta.json'}' is corrupted: groups={groups!r} is not a count.")
     return [(f"{path.name}/group_{g}", path / f"group_{g}") for g in range(groups)]
 
 
@@ -121,7 +110,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     from tessera.train.build import build_model
     from tessera.train.config import parse_config
 
-    meta = checkpoint_meta(checkpoint_root(path))
+    meta = read_meta(checkpoint_root(path))
     if "config" not in meta:
         raise CheckpointError(f"checkpoint '{path}' records no training config: cannot tell which model it holds.")
     cfg = parse_config(meta["config"], source=f"the config stored in '{path}'")

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.checkpoint_readers import CheckpointError
+from tessera.checkpoint_readers import CheckpointError, read_meta
 from tessera.data.text import PackedText, resolve_paths
-from tessera.export import checkpoint_meta, load_full_model_state, model_folders
+from tessera.export import load_full_model_state, model_folders
 
 EVAL_BATCH = 16
 
@@ -73,7 +73,7 @@ def held_out(checkpoint: str | Path, eval_bytes: int) -> PackedText:
     """The text after what the checkpoint's run trained on: same files, from its ``data.max_bytes`` on."""
     from tessera.train.config import parse_config
 
-    meta = checkpoint_meta(checkpoint)
+    meta = read_meta(checkpoint)
     if "config" not in meta:
         raise CheckpointError(f"checkpoint '{checkpoint}' records no training config: its held-out text is unknown.")
     cfg = parse_config(meta["config"], source=f"the config stored in '{checkpoint}'")
@@ -91,7 +91,7 @@ def _model(checkpoint: str | Path) -> nn.Module:
     from tessera.train.build import build_model
     from tessera.train.config import parse_config
 
-    return build_model(parse_config(checkpoint_meta(checkpoint)["config"], source=f"the config in '{checkpoint}'"))
+    return build_model(parse_config(read_meta(checkpoint)["config"], source=f"the config in '{checkpoint}'"))
 
 
 @torch.no_grad()

@@ -316,6 +316,27 @@ def test_malformed_command_lines(case, argv, needle, tmp_path: Path, capsys) -> 
     _assert_one_paragraph(code, capsys.readouterr().err.strip(), needle)
 
 
+# ------------------------------------------------------------------ a checkpoint's meta.json
+META = [  # (case id, meta.json text, needle); one reader serves resume, export and merge
+    ("not-json", '{"step": 2, "world_size":', "not a JSON mapping"),
+    ("a-list", "[2, 4]", "not a JSON mapping"),
+    ("no-world-size", '{"step": 2}', "world_size=None is not a count"),
+    ("groups-a-word", '{"step": 2, "world_size": 4, "groups": "two"}', "groups='two' is not a count"),
+    ("groups-zero", '{"step": 2, "world_size": 4, "groups": 0}', "groups=0 is not a count"),
+]
+
+
+@pytest.mark.parametrize("case,text,needle", META, ids=[c[0] for c in META])
+def test_a_corrupted_checkpoint_meta_is_refused_naming_the_file(case, text, needle, tmp_path: Path, capsys) -> None:
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    (step / "meta.json").write_text(text)
+    code = main(["export", str(step), "--out", str(tmp_path / "m.safetensors")])
+    err = capsys.readouterr().err.strip()
+    _assert_one_paragraph(code, err, needle)
+    assert str(step / "meta.json") in err
+
+
 # --------------------------------------------------------------------- models that cannot be built
 def test_a_model_too_large_for_this_machine_is_refused_before_launch(tmp_path: Path, capsys) -> None:
     """~17.7B parameters: each rank would build 66 GiB before sharding; the estimate refuses it."""

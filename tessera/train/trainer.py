@@ -262,13 +262,11 @@ class Trainer:
         peak_bytes: int | None = None,
     ) -> None:
         """One metrics record (rank 0 writes it; every rank joins the per-rank byte counts)."""
-        per_rank_bytes = [0] * dist.get_world_size()
-        dist.all_gather_object(per_rank_bytes, state_bytes)
-        per_rank_peaks = [0] * dist.get_world_size()
-        if peak_bytes is not None:  # the same step on every rank (train.measure_memory_at)
-            dist.all_gather_object(per_rank_peaks, peak_bytes)
-        per_rank_traffic: list[dict[str, traffic.LinkTraffic]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(per_rank_traffic, traffic.take())
+        # One gather of what every rank knows: its state bytes, its peak (at train.measure_memory_at, the
+        # same step on every rank) and what it sent.
+        gathered: list[tuple] = [()] * dist.get_world_size()
+        dist.all_gather_object(gathered, (state_bytes, peak_bytes or 0, traffic.take()))
+        per_rank_bytes, per_rank_peaks, per_rank_traffic = (list(column) for column in zip(*gathered))
         sent = traffic.job_traffic(per_rank_traffic)
         steps = max(1, self.step - self.reported_step)
         self.reported_step = self.step
