@@ -310,6 +310,21 @@ def bind(nodes: Sequence[str], groups: Sequence[int]) -> None:
         _COUNTER.nodes, _COUNTER.groups, _COUNTER.links = list(nodes), list(groups), {}
 
 
+def count_across_groups(kind: str, nbytes: int, groups: int) -> list[float] | None:
+    """Count a collective across Plan.groups that does not pass through torch's dispatcher (torchft's
+    process group calls its backend directly): ``kind`` as in :data:`_PER_BYTE`, ``nbytes`` this rank's
+    part, over ``groups`` groups. Returns its span to close when timing (:func:`_finish`), else None."""
+    if groups < 2:
+        return None
+    return _COUNTER.add("across_groups", nbytes * _PER_BYTE[kind](groups))
+
+
+def finish(span: list[float] | None) -> None:
+    """Close the span :func:`count_across_groups` returned, once its collective has finished."""
+    if span is not None:
+        span[1] = time.perf_counter()
+
+
 def timing(on: bool) -> None:
     """Time the collectives issued from now on (``on``) or not; their bytes are counted either way."""
     _COUNTER.timing = on

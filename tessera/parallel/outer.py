@@ -14,6 +14,10 @@ groups are laid out alike, so the same rank of every group holds the same piece.
 Its state (the agreed weights, the outer momentum, error feedback's remainders and a transfer in
 flight) is saved in each group's checkpoint by :meth:`OuterSync.state_dict`, keyed by parameter name.
 
+The groups meet through an :class:`Across`: the mesh's ``group`` axis when they are one job
+(:class:`MeshAcross`), or torchft's quorum when each group is its own job and may fail and come
+back (:class:`tessera.parallel.fault_tolerant.TorchftAcross`).
+
 Example:
     >>> outer = OuterSync(dict(model.named_parameters()), across, Groups(count=2, inner_steps=50), [0.5, 0.5], 0)
     >>> optimizer.step(); outer.after_inner_step()   # the Booster's optimizer does this itself
@@ -34,6 +38,51 @@ from tessera.groups import Groups
 from tessera.parallel.compress import BLOCK, ErrorFeedback, sum_payloads
 
 
+class Across:
+    """How the groups meet at an outer sync: :meth:`begin` it, all-reduce or all-gather over the groups
+    taking part, :meth:`commit` it. The groups of one job always take part, every one of them."""
+
+    def begin(self) -> bool:
+        """Start a sync; False when this group has just taken the others' state (it brings no change)."""
+        return True
+
+    def size(self) -> int:
+        """How many groups take part in this sync."""
+        raise NotImplementedError
+
+    def all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Sum ``tensor`` over the groups, in place; returns something to ``wait()`` on."""
+        raise NotImplementedError
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """Every group's ``tensor`` into ``out``, in group order; returns something to ``wait()`` on."""
+        raise NotImplementedError
+
+    def total_weight(self, weight: float) -> float:
+        """The summed batch shares of the groups taking part (this one brings ``weight``)."""
+        return 1.0
+
+    def commit(self) -> bool:
+        """Whether every group taking part got the sum (False: discard this sync)."""
+        return True
+
+
+class MeshAcross(Across):
+    """The groups of one job, over the process group joining the ranks at one place in every group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Any:
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
+        return dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
+
+
 class _Fragment:
     """A run of the model's layers (and the parameters beside them), synced on its own turn: its agreed
     weights, their outer optimizer, and the transfer in flight (its all-reduce, when its result is due,
@@ -51,14 +100,16 @@ class _Fragment:
         self.gathered: torch.Tensor | None = None  # compressed: every group's payload, in group order
         self.feedback = ErrorFeedback(spec.compression)
         self.work: Any = None
+        self.total = 1.0  # the summed shares of the groups whose change the transfer averages
         self.due = 0
         self.sent: list[torch.Tensor] = []
 
 
 class OuterSync:
     """DiLoCo's outer loop over this rank's pieces of ``params`` (by name); ``group``: the ranks holding
-    the same pieces in the other groups; ``weights``: each group's share of the global batch (they sum
-    to 1); ``index``: this rank's group; ``members``: that group's ranks (they write its checkpoint);
+    the same pieces in the other groups (or an :class:`Across`); ``weights``: each group's share of the
+    global batch (they sum to 1); ``index``: this rank's group; ``members``: that group's ranks (they
+    write its checkpoint);
     ``blocks``: the names of the model's repeated blocks, in order (Streaming DiLoCo's fragments are
     runs of them).
 
@@ -70,14 +121,15 @@ class OuterSync:
     def __init__(
         self,
         params: dict[str, nn.Parameter],
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | Across,
         spec: Groups,
         weights: list[float],
         index: int,
         members: dist.ProcessGroup | None = None,
         blocks: list[str] | None = None,
     ) -> None:
-        self.spec, self.group, self.weight, self.index, self.members = spec, group, weights[index], index, members
+        self.spec, self.weight, self.index, self.members = spec, weights[index], index, members
+        self.across = group if isinstance(group, Across) else MeshAcross(group)
         # Replicas inside a group (DDP, ZeRO-1: every rank holds every weight) split the sync: each sends a
         # slice across and the group gathers the averaged slices, so the model crosses once per group.
         replicated = members is not None and dist.get_world_size(members) > 1
@@ -107,18 +159,20 @@ class OuterSync:
     @torch.no_grad()
     def _send(self, fragment: _Fragment) -> None:
         """Start averaging the fragment's outer gradient (agreed − current) across groups, weighted by their
-        batch shares."""
+        batch shares. A group that has just taken the others' state brings no change and no weight."""
+        weight = self.weight if self.across.begin() else 0.0
         flat = torch.cat([(a - piece.float()).flatten() for a, piece in zip(fragment.agreed, fragment.pieces)])
-        flat *= self.weight
+        flat *= weight
         fragment.flat, fragment.due = flat, self.step + self.spec.delay
         fragment.sent = [piece.clone() for piece in fragment.pieces] if self.spec.delay else []
         fragment.part = self._slice(flat)
+        fragment.total = self.across.total_weight(weight)
         if self.spec.compression == "none":
-            fragment.work = dist.all_reduce(fragment.part, group=self.group, async_op=True)
+            fragment.work = self.across.all_reduce(fragment.part)
         else:  # quantised values do not add up where they are: gather every group's bytes, sum them here
             payload = fragment.feedback.encode(fragment.part)
-            fragment.gathered = payload.new_empty(dist.get_world_size(self.group) * payload.numel())  # gloo: 1-D
-            fragment.work = dist.all_gather_into_tensor(fragment.gathered, payload, group=self.group, async_op=True)
+            fragment.gathered = payload.new_empty(self.across.size() * payload.numel())  # gloo: 1-D
+            fragment.work = self.across.all_gather(fragment.gathered, payload)
         if not self.spec.delay:
             self._land(fragment)
 
@@ -130,8 +184,10 @@ class OuterSync:
         assert fragment.flat is not None and fragment.part is not None
         part = fragment.part
         if fragment.gathered is not None:
-            rows = fragment.gathered.view(dist.get_world_size(self.group), -1)
+            rows = fragment.gathered.view(self.across.size(), -1)
             part = sum_payloads(rows, self.spec.compression, part.numel())
+        if fragment.total not in (0.0, 1.0):  # some groups sat this sync out: the average is over those that sent
+            part = part / fragment.total
         fragment.flat = self._whole(part, fragment.flat.numel())
         fragment.work, fragment.gathered, fragment.part = None, None, None
 
@@ -159,6 +215,11 @@ class OuterSync:
         them (plus the local steps taken while it was in flight)."""
         self._arrive(fragment)
         assert fragment.flat is not None
+        # A group failed mid-sync: every group drops it and goes back. Or no group brought a change (only
+        # groups that had just taken the others' state): nothing to step with.
+        if not self.across.commit() or fragment.total == 0.0:
+            self._discard(fragment)
+            return
         offset = 0
         for agreed in fragment.agreed:
             agreed.grad = fragment.flat[offset : offset + agreed.numel()].view_as(agreed)
@@ -172,6 +233,15 @@ class OuterSync:
             for agreed, piece in zip(fragment.agreed, fragment.pieces):
                 piece.copy_(agreed)
         fragment.flat, fragment.sent = None, []
+
+    @torch.no_grad()
+    def _discard(self, fragment: _Fragment) -> None:
+        """Forget a sync that not every group completed: continue from the agreed weights, which stay as
+        they were (the inner steps since the last sync are lost, as torchft's DiLoCo loses them)."""
+        for agreed, piece in zip(fragment.agreed, fragment.pieces):
+            piece.copy_(agreed)
+        fragment.flat, fragment.sent = None, []
+        fragment.feedback.remainder = None  # what it carried belonged to the change just dropped
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -236,6 +306,36 @@ class OuterSync:
             fragment.flat = flat.get("arrived")
             fragment.sent = [v.clone() for v in saved.get("sent", [])]
             fragment.work, fragment.gathered, fragment.due = None, None, int(state["due"][f])
+
+    # ------------------------------------------------------------------ a group coming back
+    def heal_state(self) -> dict[str, Any]:
+        """What a group coming back takes from this one, rank for rank (same layout, so local pieces): the
+        inner step count, each fragment's agreed weights and outer momentum, and the weights themselves.
+        Error feedback's remainder stays: it is each group's own."""
+        fragments = []
+        for fragment in self.fragments:
+            momentum = [fragment.optimizer.state.get(a, {}).get("momentum_buffer") for a in fragment.agreed]
+            fragments.append({
+                "agreed": [a.clone() for a in fragment.agreed],
+                "momentum": [m.clone() for m in momentum] if all(m is not None for m in momentum) else None,
+                "pieces": [piece.detach().clone() for piece in fragment.pieces],
+            })  # fmt: skip
+        return {"step": self.step, "due": [f.due for f in self.fragments], "fragments": fragments}
+
+    @torch.no_grad()
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Continue from a live group's :meth:`heal_state`."""
+        self.step = int(state["step"])
+        for fragment, saved, due in zip(self.fragments, state["fragments"], state["due"]):
+            for agreed, value in zip(fragment.agreed, saved["agreed"]):
+                agreed.copy_(value)
+            for piece, value in zip(fragment.pieces, saved["pieces"]):
+                piece.copy_(value)
+            fragment.optimizer.state.clear()
+            for agreed, value in zip(fragment.agreed, saved["momentum"] or []):
+                fragment.optimizer.state[agreed]["momentum_buffer"] = value.clone()
+            fragment.feedback.remainder = None
+            fragment.flat, fragment.sent, fragment.work, fragment.gathered, fragment.due = None, [], None, None, due
 
     @staticmethod
     def _split(fragment: _Fragment, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,185 @@
+"""Groups that survive failures (issue 14, item 2): DiLoCo's outer sync through torchft.
+
+Two groups, each its own job (``tests/ft_group.py``), meet through a Lighthouse started here. Group 1
+crashes between outer syncs; group 0 carries on alone; group 1 is started again, takes the current
+state from group 0 at the next quorum and, from that sync on, both hold the same weights. Before the
+crash, the run matches the single-process replay of DiLoCo (``test_groups.outer_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from parity import TokenData, build_model, global_batches, loss_fn
+from test_groups import DILOCO, outer_reference
+
+from tessera.errors import PlanError
+from tessera.groups import Groups
+from tessera.parallel.fault_tolerant import (
+    TorchftAcross,
+    _Done,
+    check_reachable,
+    lighthouse_address,
+    start_lighthouse,
+)
+from tessera.parallel.outer import Across, OuterSync
+
+WORKER = Path(__file__).parent / "ft_group.py"
+H, DIE_AT = 2, 3  # group 1 crashes after the sync at step 2, in the middle of the next window
+PACE = 0.25  # seconds per step
+REJOINED = 3  # syncs of both groups after group 1 is back, then both stop
+
+
+def _group(index: int, address: str, out: Path, die_at: int, run: str) -> subprocess.Popen:
+    env = {**os.environ, "FT_RUN": run, "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # its own job
+        env.pop(key, None)
+    log = (out / f"g{index}_{run}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(index), address, str(out), str(die_at), str(PACE), str(REJOINED)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _records(out: Path, group: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"g{group}.jsonl").read_text().splitlines()]
+
+
+def _weights(out: Path, group: int, run: str, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"g{group}_{run}_step{step}.pt")
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def crashed_and_rejoined(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ft")
+    bind = "127.0.0.1:0"
+    server = start_lighthouse(bind, min_groups=1, join_timeout_ms=500, heartbeat_timeout_ms=1500)
+    address = lighthouse_address(server, bind)
+    try:
+        first = _group(0, address, out, die_at=-1, run="a")
+        crashed = _group(1, address, out, die_at=DIE_AT, run="a")
+        assert crashed.wait(timeout=120) == 17, _logs(out)
+        time.sleep(1.0)  # the Lighthouse notices the silence; group 0 syncs alone meanwhile
+        again = _group(1, address, out, die_at=-1, run="b")
+        assert first.wait(timeout=180) == 0, _logs(out)
+        assert again.wait(timeout=180) == 0, _logs(out)
+    finally:
+        for proc in [p for p in locals().values() if isinstance(p, subprocess.Popen)]:
+            if proc.poll() is None:
+                proc.kill()
+        server.shutdown()
+    return out
+
+
+def test_fault_tolerant_diloco_matches_the_replay_before_the_crash(crashed_and_rejoined: Path) -> None:
+    want = outer_reference("sgd", H, Groups(**{**DILOCO, "inner_steps": H}))["params"][0]
+    out = crashed_and_rejoined
+    for group in (0, 1):
+        got = _weights(out, group, "a", H)
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"group {group}: {name}")
+
+
+def test_a_crashed_group_leaves_the_others_training_and_rejoins_with_their_weights(crashed_and_rejoined: Path) -> None:
+    out = crashed_and_rejoined
+    first = _records(out, 0)
+    assert [r["step"] for r in first] == list(range(H, first[-1]["step"] + 1, H)), first
+    assert all(r["committed"] for r in first)
+    alone = [r["step"] for r in first if r["groups"] == 1]
+    together = [r["step"] for r in first if r["groups"] == 2]
+    assert alone and together and together[0] < alone[0] < together[-1], first  # 2, then 1, then 2 again
+
+    rejoined = [r for r in _records(out, 1) if r["run"] == "b"]
+    assert len(rejoined) == REJOINED and rejoined[-1]["step"] == first[-1]["step"], rejoined
+    assert rejoined[0]["healed"] and not any(r["healed"] for r in rejoined[1:]), rejoined
+    back_at = rejoined[0]["step"]
+    assert back_at > alone[0] and back_at == together[len(together) - len(rejoined)]  # it joined a sync of group 0's
+    for record in rejoined:  # from the sync it came back at on, both hold the same weights
+        mine, theirs = _weights(out, 1, "b", record["step"]), _weights(out, 0, "a", record["step"])
+        assert all(torch.equal(mine[n], theirs[n]) for n in theirs), f"step {record['step']} differs"
+    # every byte across groups counted: each sync all-reduces the fp32 change and the weight (8 bytes) when
+    # two groups meet (a ring over two sends the size once), nothing alone; and group 0 sent its state
+    # (agreed weights, momentum, weights) once, to the group coming back
+    numel = sum(t.numel() for t in theirs.values())
+    for r in first:
+        served = 3 * numel * 4 if r["step"] == back_at else 0
+        assert r["sent"] == (numel * 4 + 8 if r["groups"] == 2 else 0) + served, r
+    # and the state it took is group 0's, not the one it had when it crashed
+    before = _weights(out, 1, "a", H)
+    assert not all(torch.equal(before[n], _weights(out, 1, "b", back_at)[n]) for n in before)
+
+
+def test_an_unreachable_lighthouse_is_a_clear_error() -> None:
+    with pytest.raises(PlanError, match="Lighthouse at http://127.0.0.1:9 cannot be reached"):
+        check_reachable("http://127.0.0.1:9", timeout_s=2.0)
+    with pytest.raises(PlanError, match="needs a host and a port"):
+        TorchftAcross(0, "lighthouse-without-port")
+
+
+class _Alone(Across):
+    """One group syncing with nobody else in the quorum (or having just healed, or failing its commit)."""
+
+    def __init__(self, healed: bool = False, commits: bool = True) -> None:
+        self.healed, self.commits = healed, commits
+
+    def begin(self) -> bool:
+        return not self.healed
+
+    def size(self) -> int:
+        return 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> Any:
+        return _Done()
+
+    def total_weight(self, weight: float) -> float:
+        return weight
+
+    def commit(self) -> bool:
+        return self.commits
+
+
+def _one_sync(across: Across) -> tuple[dict, dict, dict]:
+    """Weights before, after two inner steps, and after the outer sync that follows them."""
+    model = build_model("llama")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = OuterSync(dict(model.named_parameters()), across, Groups(count=2, inner_steps=2), [0.25, 0.75], 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for x, y in global_batches(TokenData(), 4, 2):
+        loss_fn(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+        outer.after_inner_step()
+    return before, trained, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_group_syncing_alone_takes_its_own_change_whole() -> None:
+    """Its share is 1/4, but with nobody else in the quorum the average is its own change: the outer
+    step (SGD, Nesterov momentum 0.9, lr 0.7, from zero momentum) moves by 0.7 · 1.9 · change."""
+    before, trained, after = _one_sync(_Alone())
+    for name in before:
+        change = before[name] - trained[name]
+        torch.testing.assert_close(after[name], before[name] - 0.7 * 1.9 * change, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_that_just_healed_brings_no_change_and_a_failed_commit_is_dropped() -> None:
+    before, _, after = _one_sync(_Alone(healed=True))  # weight 0, alone: nothing to average, nothing moves
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    before, trained, after = _one_sync(_Alone(commits=False))
+    assert all(torch.equal(after[n], before[n]) for n in before)  # back to the weights agreed before
+    assert not all(torch.equal(trained[n], before[n]) for n in before)
