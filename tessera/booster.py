@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,9 +35,9 @@ from tessera.data.sharding import ShardedLoader, ShareBatchSampler
 from tessera.errors import PlanError
 from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer
-from tessera.parallel import data_parallel
+from tessera.parallel import data_parallel, fault_tolerant
 from tessera.parallel.grad_norm import clip_grads_
-from tessera.parallel.outer import OuterSync
+from tessera.parallel.outer import Across, OuterSync
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
@@ -66,16 +67,28 @@ class Booster:
         # Validate everything that can be checked before touching a process group.
         self.device = distributed.pick_device(plan.device, plan.placement)
         distributed.init()
-        self.plan = plan.resolve(dist.get_world_size())
-        coords = self.plan.coords(dist.get_rank())
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.groups = plan.groups
+        self.fault_tolerant = self.groups is not None and self.groups.fault_tolerant
+        if self.fault_tolerant:  # this job is one group: the rest of the Plan lays it out
+            assert self.groups is not None
+            self.group_index = fault_tolerant.group_from_env(self.groups.count)
+            whole = plan.resolve(world * self.groups.count)  # the whole run, for this group's share of the data
+            self._data_plan, self._data_rank = whole, whole.data_rank(self.group_index * world + rank)
+            self.plan = dataclasses.replace(plan, groups=None).resolve(world)
+            coords = self.plan.coords(rank)
+        else:
+            self.plan = plan.resolve(world)
+            coords = self.plan.coords(rank)
+            self.group_index = coords.group  # under Plan.groups: which group this rank trains in
+            self._data_plan, self._data_rank = self.plan, self.plan.data_rank(rank)
         self.dp_rank, self.sp_rank = coords.dp, coords.sp  # which samples, which slice of each sequence
-        self.group_index = coords.group  # under Plan.groups: which group this rank trains in
         shares = self.plan.shares()
         self._share_weight = shares[self.dp_rank] * len(shares) / sum(shares)  # inside this rank's group
         self.hooks = hooks if hooks is not None else Hooks()
         self.hooks.bind(self.plan, dist.get_rank())
         traffic.install()  # count every collective's bytes per link class from here on
-        traffic.bind_job(self.hooks.node() or _node_name(), coords.group or 0)
+        traffic.bind_job(self.hooks.node() or _node_name(), self.group_index or 0)
         self._ctx = Context(
             plan=self.plan,
             rank=dist.get_rank(),
@@ -113,7 +126,7 @@ class Booster:
         """Lay ``model`` and ``optimizer`` out as the Plan says; use the returned pair from now on."""
         if not isinstance(model, nn.Module):
             raise PlanError(f"boost() needs a torch.nn.Module, got {type(model).__name__}.")
-        if optimizer is None and self.plan.groups is not None:
+        if optimizer is None and self.groups is not None:
             raise PlanError(
                 "Plan.groups synchronises the groups after their optimizer's steps: pass the optimizer to boost()."
             )
@@ -139,33 +152,39 @@ class Booster:
         if optimizer is None:
             return wrapped, None
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
-        if self.plan.groups is not None and self.plan.groups.sync != "every_step":  # after the inner steps
-            weights = self._group_weights()
-            group = self._ctx.meshes.group("group")
+        if self.groups is not None and self.groups.sync != "every_step":  # after the inner steps
+            across: dist.ProcessGroup | Across = (
+                fault_tolerant.TorchftAcross.from_env(self.group_index, self.device.type)
+                if self.fault_tolerant
+                else self._ctx.meshes.group("group")
+            )
             module = data_parallel.unwrap(wrapped)
             blocks = {id(b) for b in data_parallel.repeated_blocks(module)}
-            self._ctx.optimizer.outer = OuterSync(
+            outer = OuterSync(
                 dict(module.named_parameters()),
-                group,
-                self.plan.groups,
-                weights,
+                across,
+                self.groups,
+                self._group_weights(),
                 self.group_index,
                 members=self._ctx.meshes.inside,
                 blocks=[name for name, m in module.named_modules() if id(m) in blocks],
             )
+            if isinstance(across, fault_tolerant.TorchftAcross):
+                across.attach(outer)
+            self._ctx.optimizer.outer = outer
         return wrapped, self._ctx.optimizer
 
     def _across_weight(self) -> float:
         """What this group's share of the batch weighs in gradients averaged across groups every step."""
-        groups = self.plan.groups
+        groups = self.groups
         if groups is None or groups.sync != "every_step":
             return 1.0
         return self._group_weights()[self.group_index] * groups.count
 
     def _group_weights(self) -> list[float]:
         """Each group's share of the global batch (they sum to 1)."""
-        assert self.plan.groups is not None
-        shares = self.plan.groups.group_shares()
+        assert self.groups is not None
+        shares = self.groups.group_shares()
         return [s / sum(shares) for s in shares]
 
     @property
@@ -248,7 +267,8 @@ class Booster:
         return data_parallel.no_sync(model)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean loss over the whole global batch (every rank gets the same value)."""
+        """The mean loss over the whole global batch (every rank gets the same value); under fault-tolerant
+        groups, over this group's part of it (the groups meet only at outer syncs)."""
         value = self.engine.reduce_loss(distributed.local(loss.detach()).float() * self._share_weight)
         if self.plan.groups is not None:  # each group's mean, weighted by its share of the batch
             value *= self._group_weights()[self.group_index]
@@ -269,8 +289,8 @@ class Booster:
         sampler = ShareBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             global_batch_size,
-            self.plan.batch_split(global_batch_size),  # samples per data rank: the shares, group after group
-            self.plan.data_rank(dist.get_rank()),
+            self._data_plan.batch_split(global_batch_size),  # samples per data rank: the shares, group after group
+            self._data_rank,
             seed=seed,
             shuffle=shuffle,
         )

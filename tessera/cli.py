@@ -157,6 +157,7 @@ def _print_launch(plan, cluster, out: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from tessera.train.config import plan_from_config
     from tessera.train.launch import Launch, launch
     from tessera.train.preflight import check_training
 
@@ -169,12 +170,30 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(
             "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
         )
-    cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite)
+    cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group is not None)
     rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank
         from tessera.train.run import main as run_main
 
         return run_main(rank_args)
+    groups = plan_from_config(cfg.plan).groups
+    if groups is not None and groups.fault_tolerant:  # one job per group, meeting through torchft
+        from tessera.train import group_jobs
+
+        if args.testbed or args.emulate:
+            raise ValueError(
+                "fault-tolerant plan.groups runs a job per group: --testbed and --emulate do not support it yet."
+            )
+        if args.group is not None:
+            return group_jobs.launch_one_group(args, cfg, rank_args)
+        if args.nnodes > 1 or args.rdzv_endpoint:
+            raise ValueError(
+                "fault-tolerant plan.groups on several machines: start `tessera lighthouse`, then launch each group "
+                "with --group G --lighthouse ADDRESS."
+            )
+        return group_jobs.launch_groups_here(args, groups)
+    if args.group is not None:
+        raise ValueError("--group launches one group of plan.groups with fault_tolerant: true; this config has none.")
     job = Launch(
         rank_args,
         cfg.run_dir,
@@ -186,8 +205,6 @@ def _train(args: argparse.Namespace) -> int:
         local_addr=args.local_addr,
     )
     if args.testbed:
-        from tessera.train.config import plan_from_config
-
         plan = plan_from_config(cfg.plan).resolve(job.nproc)
         devices = [plan.device_of(r) for r in range(job.nproc)]
         return _launch_on_testbed(job, args.testbed, devices, args.testbed_cpus, plan.precision)
@@ -339,6 +356,21 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="cores the whole cluster gets, shared by device speed (default: this machine's less a third of a core)",
     )
+    train.add_argument(
+        "--group", type=_count(0), help="fault-tolerant plan.groups on several machines: launch only this group"
+    )
+    train.add_argument("--lighthouse", default="", help="with --group: the Lighthouse's address (http://HOST:PORT)")
+    train.add_argument(
+        "--lighthouse-bind",
+        default="127.0.0.1:0",
+        help="fault-tolerant plan.groups on one machine: where the Lighthouse listens (port 0: any free one)",
+    )
+    lighthouse = sub.add_parser("lighthouse", help="serve the torchft Lighthouse of fault-tolerant plan.groups")
+    lighthouse.add_argument("--bind", default="127.0.0.1:29510", help="host:port to listen on (every group dials it)")
+    lighthouse.add_argument("--min-groups", type=_count(1), default=1, help="the fewest groups a quorum may have")
+    lighthouse.add_argument(
+        "--heartbeat-timeout-s", type=float, default=5.0, help="how long a silent group counts as alive"
+    )
     testbed = sub.add_parser("testbed", help="the one-machine testbed's housekeeping")
     testbed_sub = testbed.add_subparsers(dest="testbed_command", required=True)
     testbed_sub.add_parser("clean", help="remove cgroups and namespaces left by a testbed whose launcher was killed")
@@ -406,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
             return _merge(args)
         if args.command == "cluster":
             return _cluster(args)
+        if args.command == "lighthouse":
+            from tessera.train.group_jobs import serve_lighthouse
+
+            return serve_lighthouse(args.bind, args.min_groups, args.heartbeat_timeout_s)
         if args.command == "testbed":
             from tessera.testbed import clean_stale
 

@@ -6,6 +6,8 @@
     stop:RANK:STEP             that rank stops itself (SIGSTOP) before step STEP, as a frozen process would
     raise:RANK:STEP            that rank raises a RuntimeError before step STEP (an unexpected error)
     save:STEP                  every rank exits midway through saving the step-STEP checkpoint
+Prefixed ``groupG:`` (e.g. ``group1:0:5``), a fault fires only in group G of fault-tolerant Plan.groups
+(each group is its own job, with its own rank 0). Several faults: separated by commas.
 Faults fire on the first attempt only, so a torchrun restart runs clean.
 """
 
@@ -18,26 +20,35 @@ import time
 import torch.distributed as dist
 
 
-def _spec() -> str:
+def _specs() -> list[str]:
+    """The faults meant for this process (its group's, under fault-tolerant Plan.groups)."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return ""
-    return os.environ.get("TESSERA_FAULT", "")
+        return []
+    mine = []
+    for spec in filter(None, os.environ.get("TESSERA_FAULT", "").split(",")):
+        if spec.startswith("group"):
+            head, _, spec = spec.partition(":")
+            if head != f"group{os.environ.get('TESSERA_GROUP', '')}":
+                continue
+        mine.append(spec)
+    return mine
 
 
 def before_step(step: int) -> None:
     """Kill, stall, stop or fail this rank before ``step`` when TESSERA_FAULT asks for it."""
-    spec, rank = _spec(), dist.get_rank()
-    if spec == f"{rank}:{step}":
-        os._exit(13)
-    if spec.startswith(f"hang:{rank}:{step}:"):
-        time.sleep(float(spec.split(":")[3]))
-    if spec == f"stop:{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    if spec == f"raise:{rank}:{step}":
-        raise RuntimeError(f"injected fault (TESSERA_FAULT={spec})")
+    rank = dist.get_rank()
+    for spec in _specs():
+        if spec == f"{rank}:{step}":
+            os._exit(13)
+        if spec.startswith(f"hang:{rank}:{step}:"):
+            time.sleep(float(spec.split(":")[3]))
+        if spec == f"stop:{rank}:{step}":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if spec == f"raise:{rank}:{step}":
+            raise RuntimeError(f"injected fault (TESSERA_FAULT={spec})")
 
 
 def during_save(step: int) -> None:
     """Exit midway through the step-``step`` save when TESSERA_FAULT=save:STEP."""
-    if _spec() == f"save:{step}":
+    if f"save:{step}" in _specs():
         os._exit(17)

@@ -24,6 +24,10 @@ Streaming DiLoCo send (:mod:`tessera.parallel.compress`).
 
 ``shares`` splits each global batch over the groups (samples, as ``dp_shares`` does inside one).
 
+``fault_tolerant``: each group is its own job and they meet through torchft's quorum, so a group that
+fails does not stop the others and one that comes back takes their state
+(:mod:`tessera.parallel.fault_tolerant`; ``tessera train`` starts a Lighthouse and one job per group).
+
 Example:
     >>> plan = Plan(zero=2, groups=Groups(count=2, sync="diloco", inner_steps=50))
     >>> plan.resolve(world_size=8).dp   # four data-parallel ranks in each of the two groups
@@ -59,6 +63,7 @@ class Groups:
     fragments: int = 1
     delay: int = 0
     compression: str = "none"
+    fault_tolerant: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.shares, list):
@@ -113,6 +118,18 @@ class Groups:
                 )
             for i, share in enumerate(self.shares):
                 _positive_int(f"groups.shares[{i}]", share, MAX_INNER_STEPS)
+        if not isinstance(self.fault_tolerant, bool):
+            raise PlanError(f"Plan.groups.fault_tolerant must be true or false, got {shown(self.fault_tolerant)}.")
+        if self.fault_tolerant and self.sync not in ("diloco", "streaming"):
+            raise PlanError(
+                f"Plan.groups.fault_tolerant=true meets the groups at DiLoCo's outer syncs; sync: {self.sync} has "
+                "none (every_step would need a quorum every step): use sync: diloco or streaming."
+            )
+        if self.fault_tolerant and self.delay:
+            raise PlanError(
+                f"Plan.groups.fault_tolerant=true needs delay=0 (got {self.delay}): a quorum may rebuild the "
+                "connection between groups, so a transfer cannot stay in flight across inner steps."
+            )
 
     def group_shares(self) -> tuple[int, ...]:
         """Relative samples per group (all ones when even)."""

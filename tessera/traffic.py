@@ -223,7 +223,10 @@ def _count(group: Any, kind: str, nbytes: int, peer: int | None = None) -> list[
     elif isinstance(group, str):
         group = dist.distributed_c10d._resolve_process_group(group)
     if group not in _GROUPS:
-        _GROUPS[group] = (dist.get_process_group_ranks(group), dist.get_backend(group))
+        try:
+            _GROUPS[group] = (dist.get_process_group_ranks(group), dist.get_backend(group))
+        except (KeyError, ValueError, RuntimeError):  # a group torch does not know (torchft's own): its
+            _GROUPS[group] = ([], "")  # owner counts it (count_across_groups); counting never fails a collective
     ranks, backend = _GROUPS[group]
     if peer is not None:
         ranks = [dist.get_rank(), ranks[peer]]
@@ -311,9 +314,10 @@ def bind(nodes: Sequence[str], groups: Sequence[int]) -> None:
 
 
 def count_across_groups(kind: str, nbytes: int, groups: int) -> list[float] | None:
-    """Count a collective across Plan.groups that does not pass through torch's dispatcher (torchft's
-    process group calls its backend directly): ``kind`` as in :data:`_PER_BYTE`, ``nbytes`` this rank's
-    part, over ``groups`` groups. Returns its span to close when timing (:func:`_finish`), else None."""
+    """Count a collective across Plan.groups over a process group torch does not register (torchft's,
+    rebuilt at each quorum: the dispatcher kernel cannot tell its ranks, so it leaves it to its owner):
+    ``kind`` as in :data:`_PER_BYTE`, ``nbytes`` this rank's part, over ``groups`` groups. Returns its span
+    to close with :func:`finish` when timing, else None."""
     if groups < 2:
         return None
     return _COUNTER.add("across_groups", nbytes * _PER_BYTE[kind](groups))

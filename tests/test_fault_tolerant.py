@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from parity import TokenData, build_model, global_batches, loss_fn
 from test_groups import DILOCO, outer_reference
 
@@ -183,3 +184,47 @@ def test_a_group_that_just_healed_brings_no_change_and_a_failed_commit_is_droppe
     before, trained, after = _one_sync(_Alone(commits=False))
     assert all(torch.equal(after[n], before[n]) for n in before)  # back to the weights agreed before
     assert not all(torch.equal(trained[n], before[n]) for n in before)
+
+
+def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_path: Path) -> None:
+    """`tessera train` with fault-tolerant groups on one machine: a Lighthouse and a torchrun job per group.
+    Group 1's rank crashes before step 7; torchrun starts it again (--max-restarts 1), it takes group 0's
+    step and state at the next outer sync, and both end on the same weights (step 24 is a sync)."""
+    from test_checkpoint import tiny_config
+
+    from tessera.export import load_full_model_state
+
+    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True}
+    config = tiny_config(tmp_path / "runs", 24, 8, {"preset": "ddp", "groups": groups})
+    config["train"]["log_every"] = 4
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "TESSERA_FAULT": "group1:0:7,group0:hang:0:10:6"}  # group 0 slows so group 1 catches up
+    command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "2", "--max-restarts", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 groups of 1 rank(s), each its own job" in proc.stdout
+    assert "group 1 rejoined: took step" in proc.stdout, proc.stdout[-3000:]
+    run = tmp_path / "runs" / "t"
+    final = [load_full_model_state(run / f"group_{g}" / "checkpoints" / "step_00000024" / f"group_{g}") for g in (0, 1)]
+    assert final[0].keys() == final[1].keys()
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0]), "the groups ended apart"
+    for g in (0, 1):  # and the syncs were applied, not dropped: both learned
+        losses = [json.loads(line)["loss"] for line in (run / f"group_{g}" / "metrics.jsonl").read_text().splitlines()]
+        assert losses[-1] < losses[0] - 0.3, (g, losses)
+
+
+def test_a_group_job_that_does_not_say_which_group_it_is_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessera.parallel.fault_tolerant import group_from_env
+
+    monkeypatch.setenv("TESSERA_GROUP", "2")
+    with pytest.raises(PlanError, match="TESSERA_GROUP='2' must be 0 to 1"):
+        group_from_env(2)
+    monkeypatch.delenv("TESSERA_GROUP")
+    with pytest.raises(PlanError, match="--group G --lighthouse ADDRESS"):
+        group_from_env(2)

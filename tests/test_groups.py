@@ -333,6 +333,14 @@ def test_islands_never_meet(runs: dict) -> None:
         ({"sync": "diloco", "fragments": 2}, 4, PlanError, "set sync: streaming"),
         ({"compression": "int3"}, 4, PlanError, "compression='int3' is not one of"),
         ({"sync": "every_step", "compression": "int8"}, 4, PlanError, "sync: every_step sends none"),
+        ({"sync": "every_step", "fault_tolerant": True}, 4, PlanError, "use sync: diloco or streaming"),
+        (
+            {"sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1, "fault_tolerant": True},
+            4,
+            PlanError,
+            "fault_tolerant=true needs delay=0",
+        ),
+        ({"fault_tolerant": "yes"}, 4, PlanError, "fault_tolerant must be true or false"),
     ],
 )
 def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, match: str) -> None:

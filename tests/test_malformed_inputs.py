@@ -300,6 +300,8 @@ ARGV = [  # (case id, argv with {config} for a good config file, needle)
     ("unknown-flag", ["train", "{config}", "--fast"], "--fast"),
     ("emulate-missing", ["train", "{config}", "--emulate", "/nonexistent/cluster.yaml"], "/nonexistent/cluster.yaml"),
     ("export-nothing", ["export", "/nonexistent/step_1"], "--out"),
+    ("group-without-ft-groups", ["train", "{config}", "--group", "0"], "fault_tolerant: true"),
+    ("lighthouse-bad-bind", ["lighthouse", "--bind", "nowhere"], "must be host:port"),
     ("export-not-a-checkpoint", ["export", "{tmp}", "--out", "{tmp}/m.safetensors"], "not a complete"),
 ]
 

@@ -27,7 +27,9 @@ Example (one group's job; ``TORCHFT_LIGHTHOUSE`` names the Lighthouse)::
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import sys
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +41,21 @@ from tessera.errors import PlanError
 from tessera.parallel.outer import Across, OuterSync
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+GROUP_ENV = "TESSERA_GROUP"  # which of Plan.groups this job is (tessera train sets it)
+TIMEOUT_ENV = "TESSERA_FT_TIMEOUT_S"
+MAX_DROPPED_SYNCS = 5  # in a row
+
+
+def group_from_env(count: int) -> int:
+    """This job's group under fault-tolerant Plan.groups, from TESSERA_GROUP (refused when unset or out of range)."""
+    text = os.environ.get(GROUP_ENV, "")
+    if not text.isdigit() or not 0 <= int(text) < count:
+        raise PlanError(
+            f"Plan.groups.fault_tolerant=true runs each of the {count} groups as its own job, and this one does not "
+            f"say which it is: {GROUP_ENV}={text!r} must be 0 to {count - 1} (`tessera train` sets it; on several "
+            f"machines launch each group with `tessera train CONFIG --group G --lighthouse ADDRESS`)."
+        )
+    return int(text)
 
 
 class _Done:
@@ -132,9 +149,21 @@ class TorchftAcross(Across):
             timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=max(timeout_s, 3600.0)),  # groups wait H steps for each other
             connect_timeout=timeout,
+            max_retries=MAX_DROPPED_SYNCS,  # then it raises: syncs that keep failing are a broken job
         )
         self.healed = False
         self.syncs: list[dict[str, Any]] = []  # per sync: groups taking part, healed, committed (for logs)
+
+    @classmethod
+    def from_env(cls, group: int, device: str = "cpu") -> TorchftAcross:
+        """For group ``group`` of a job ``tessera train`` launched: the Lighthouse from TORCHFT_LIGHTHOUSE."""
+        lighthouse = os.environ.get(LIGHTHOUSE_ENV, "")
+        if not lighthouse:
+            raise PlanError(
+                f"Plan.groups.fault_tolerant=true needs a Lighthouse: {LIGHTHOUSE_ENV} is not set (`tessera train` "
+                "starts one and sets it; on several machines start `tessera lighthouse` and pass --lighthouse)."
+            )
+        return cls(group, lighthouse, timeout_s=float(os.environ.get(TIMEOUT_ENV, "60")), device=device)
 
     def attach(self, outer: OuterSync) -> None:
         """Serve ``outer``'s state to groups coming back, and load a live group's when this one does."""
@@ -159,8 +188,8 @@ class TorchftAcross(Across):
     def size(self) -> int:
         return self.pg.size()
 
-    # Both wait for their transfer (delay is 0: the sync lands at once) and count it, as
-    # tessera.traffic cannot see torchft's process group.
+    # Both wait for their transfer (delay is 0: the sync lands at once) and count it: torch does not
+    # register torchft's process group, so tessera.traffic's dispatcher kernel cannot place it.
     def all_reduce(self, tensor: torch.Tensor) -> Any:
         from torch.distributed import ReduceOp
 
@@ -185,6 +214,16 @@ class TorchftAcross(Across):
     def commit(self) -> bool:
         committed = self.manager.should_commit()
         self.syncs[-1]["committed"] = committed
+        if not committed:  # dropped by every group; said, so that a sync that never succeeds is seen
+            error = self.manager.errored()
+            cause = getattr(error, "original_exception", error)
+            print(
+                f"tessera: warning: outer sync dropped by the groups ({type(cause).__name__}: {cause})"
+                if cause is not None
+                else "tessera: warning: outer sync dropped by the groups (another group failed during it)",
+                file=sys.stderr,
+                flush=True,
+            )
         return committed
 
     def _guarded(self, run: Callable[[], Any]) -> None:

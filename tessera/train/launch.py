@@ -56,6 +56,8 @@ class Launch:
     module: str = "tessera.train.run"  # what each rank runs (tessera.train.profile_run for a profile)
     testbed_seats: Path | None = None  # one machine, played as a cluster: each rank takes its seat first
     testbed_master_addr: str = "127.0.0.1"  # where rank 0 serves the store then (its node's namespace address)
+    env: dict[str, str] | None = None  # set for this job's ranks (fault-tolerant groups: which group, the Lighthouse)
+    label: str = ""  # named in its error paragraph ("group 1"), when several jobs run side by side
 
 
 def _torchrun_command(job: Launch, folder: Path) -> list[str]:
@@ -87,6 +89,7 @@ def _environment(job: Launch, folder: Path) -> dict[str, str]:
         REPORT_DIR_ENV: str(folder),
         RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or new_run_id(),
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # reliable restarts (design brief, trap 3)
+        **(job.env or {}),
     }
     if job.nnodes == 1 and not job.rdzv_endpoint:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -275,7 +278,7 @@ def launch(job: Launch) -> int:
             return 0
         code, message = _explain(job, folder, watcher, torchrun_log)
         keep_folder = str(folder) in message
-        print(f"tessera: error: {message}", file=sys.stderr)
+        print(f"tessera: error: {job.label + ': ' if job.label else ''}{message}", file=sys.stderr)
         return code
     finally:
         if not keep_folder:

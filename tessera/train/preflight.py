@@ -57,13 +57,19 @@ def check_memory(cfg: Config, plan, nproc: int) -> None:
         )
 
 
-def check_training(config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool) -> Config:
-    """Validate a ``tessera train`` invocation; return its config. Raises a ValueError naming the fix."""
+def check_training(
+    config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool, one_group: bool = False
+) -> Config:
+    """Validate a ``tessera train`` invocation; return its config. Raises a ValueError naming the fix.
+    ``one_group``: the launch is one group of fault-tolerant Plan.groups (the run has count times its ranks)."""
     from tessera.data.sharding import split_batch
     from tessera.data.text import check_corpus_size, resolve_paths
 
     cfg = load_config(config, overrides)
     world = nproc * nnodes
+    groups = plan_from_config(cfg.plan).groups if one_group else None
+    if groups is not None and groups.fault_tolerant:
+        world *= groups.count
     try:
         plan = plan_from_config(cfg.plan).resolve(world)
         split_batch(cfg.train.global_batch_size, plan.shares())

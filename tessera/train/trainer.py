@@ -233,6 +233,7 @@ class Trainer:
                 global_loss = self.booster.reduce_loss(loss).item()
                 self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
                 self.losses.append(global_loss)
+                jumped = self._follow_the_groups()
                 if reported:
                     timing = (time.perf_counter() - t0, time.perf_counter() - start_time, self.step - start_step)
                     peak_bytes = peak[0] if measured else None
@@ -241,7 +242,7 @@ class Trainer:
                     self.checkpoint()
                 if self.step % HEAP_TRIM_EVERY == 0:
                     release_free_heap()  # freed buffers back to the OS: resident memory stays flat
-                if self.step == last_step:
+                if self.step >= last_step or jumped:  # jumped: read on from the new place in the data
                     break
             else:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
@@ -249,6 +250,21 @@ class Trainer:
         if not cfg.checkpoint.every or self.step % cfg.checkpoint.every:
             self.checkpoint()
         return self._finish(log, start_step)
+
+    def _follow_the_groups(self) -> bool:
+        """Under fault-tolerant Plan.groups a group that came back takes a live group's step count at its
+        first outer sync: move the data, the schedule and the step to it. True when it moved."""
+        outer = getattr(self.optimizer, "outer", None)
+        if not self.booster.fault_tolerant or outer is None or outer.step == self.step:
+            return False
+        if self.rank0:
+            print(f"group {self.booster.group_index} rejoined: took step {outer.step} from a live group "
+                  f"(was at {self.step})", flush=True)  # fmt: skip
+        self.step = outer.step
+        self.epoch, self.batch_in_epoch = divmod(self.step, len(self.loader))
+        self.schedule.last_epoch = self.step - 1
+        self.schedule.step()  # the learning rate of that step
+        return True
 
     def _report(
         self,
