@@ -168,6 +168,7 @@ class Booster:
                 self.group_index,
                 members=self._ctx.meshes.inside,
                 blocks=[name for name, m in module.named_modules() if id(m) in blocks],
+                holders=self._ctx.meshes.grad.get_group(),
             )
             if isinstance(across, fault_tolerant.TorchftAcross):
                 across.attach(outer)

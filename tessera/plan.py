@@ -477,6 +477,11 @@ class Plan:
                 f"{world_size}: launch {sum(depths)} ranks or change the replicas."
             )
         self._check_rank_lists(world_size)
+        if self.groups is not None:
+            raise NotSupportedYet(
+                "Plan.groups with Plan.replicas is not supported yet: lay each group out with data, ZeRO, tensor or "
+                "pipeline parallelism."
+            )
         return dataclasses.replace(self, dp=len(self.replicas))
 
     def _check_rank_lists(self, world_size: int) -> None:
@@ -593,10 +598,10 @@ class Plan:
                 "Plan.groups.sync='every_step' with tensor or Ulysses sequence parallelism inside the groups is not "
                 "supported yet: use data parallelism or ZeRO inside them, or sync: diloco."
             )
-        if self.groups is not None and (self.pp > 1 or self.replicas is not None):
+        if self.groups is not None and self.groups.sync == "every_step" and self.pp > 1:
             raise NotSupportedYet(
-                "Plan.groups with pipeline stages (Plan.pp > 1 or Plan.replicas) is not supported yet: lay each group "
-                "out with data, ZeRO or tensor parallelism."
+                "Plan.groups.sync='every_step' with pipeline stages inside the groups is not supported yet: use "
+                "sync: diloco or streaming (each stage syncs its own layers), or no pipeline."
             )
         if self.ulysses_size > 1 and self.tp > 1:
             raise NotSupportedYet(

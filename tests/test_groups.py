@@ -9,6 +9,7 @@ resumed, it ends bit for bit where the straight run does.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,15 @@ def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
     booster = tessera.Booster(Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, _inner_optimizer(inner, model.parameters()))
     traffic.take()
-    losses = plain_loop_losses(booster, model, opt, GLOBAL_BATCH, steps)
+    if booster.plan.pp > 1:  # a pipeline inside each group trains through execute_pipeline
+        losses = []
+        for batch in itertools.islice(booster.dataloader(TokenData(), GLOBAL_BATCH, seed=0), steps):
+            loss = booster.execute_pipeline(batch, model, loss_fn, opt)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(booster.reduce_loss(loss)))
+    else:
+        losses = plain_loop_losses(booster, model, opt, GLOBAL_BATCH, steps)
     sent = {link: t.bytes for link, t in traffic.take().items()}  # the training steps' collectives
     return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index, "sent": sent}
 
@@ -148,6 +157,7 @@ CASES = {
     ),
     "diloco adamw h2": (_plan(**DILOCO), "adamw"),
     "diloco adamw h2 zero3": (_plan(zero=3, **DILOCO), "adamw"),
+    "diloco adamw h2 pp2": ({"pp": 2, "pipeline": {"microbatches": 2}, "groups": DILOCO}, "adamw"),  # per stage
     "islands": (_plan(count=GROUPS, sync="none"), "adamw"),
     "streaming one fragment": (_plan(**{**DILOCO, "sync": "streaming"}), "adamw"),
     "streaming": (_plan(zero=3, **STREAMING), "adamw", STREAMING_STEPS),
@@ -168,6 +178,7 @@ CASES = {
 TRAIN_PLANS = {
     "diloco ddp int8": {"preset": "ddp", "groups": {**DILOCO, "inner_steps": 3, "compression": "int8"}},
     "streaming zero3 int8": {"preset": "zero", "zero": 3, "groups": {**STREAMING, "compression": "int8"}},
+    "diloco pp2": {"preset": "ddp", "pp": 2, "microbatches": 2, "groups": {**DILOCO, "inner_steps": 3}},
 }
 TRAIN_STEPS, STOP_AT = 8, 4
 
@@ -250,7 +261,7 @@ def test_diloco_with_one_inner_sgd_step_is_synchronous_sgd(runs: dict) -> None:
     _same(got, synchronous_reference(STEPS))
 
 
-@pytest.mark.parametrize("case", ["diloco adamw h2", "diloco adamw h2 zero3"])
+@pytest.mark.parametrize("case", ["diloco adamw h2", "diloco adamw h2 zero3", "diloco adamw h2 pp2"])
 def test_diloco_with_adamw_equals_its_single_process_replay(runs: dict, case: str) -> None:
     """Each group's AdamW follows its own gradients, so this is not synchronous training: it must equal
     DiLoCo replayed in one process, under DDP and under ZeRO-3 (the outer step works on shards)."""
@@ -348,9 +359,15 @@ def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, matc
         Plan.from_dict({"groups": groups}).resolve(world)
 
 
-def test_groups_with_a_pipeline_are_refused_until_supported() -> None:
-    with pytest.raises(NotSupportedYet, match="Plan.groups with pipeline stages"):
-        Plan.from_dict({"pp": 2, "pipeline": {"microbatches": 2}, "groups": {"count": 2}}).resolve(8)
+def test_groups_with_replicas_or_every_step_pipelines_are_refused_until_supported() -> None:
+    every_step = {"count": 2, "sync": "every_step"}
+    with pytest.raises(NotSupportedYet, match="'every_step' with pipeline stages"):
+        Plan.from_dict({"pp": 2, "pipeline": {"microbatches": 2}, "groups": every_step}).resolve(8)
+    replicas = [{"stages": [[0, 2]], "share": 1}, {"stages": [[0, 2]], "share": 1}]
+    with pytest.raises(NotSupportedYet, match="Plan.groups with Plan.replicas"):
+        Plan.from_dict({"replicas": replicas, "groups": {"count": 2}}).resolve(2)
+    plan = Plan.from_dict({"pp": 2, "pipeline": {"microbatches": 2}, "groups": {"count": 2}}).resolve(8)
+    assert plan.mesh_shape() == ((2, 2, 2), ("group", "pp", "dp"))
 
 
 def test_a_groups_rank_layout_is_group_major() -> None:

@@ -443,6 +443,19 @@ def test_the_outer_sync_takes_the_smallest_h_within_a_tenth_of_the_inner_steps()
     assert choose(fast).sync == "every_step"
 
 
+def test_groups_with_a_pipeline_inside_get_weight_syncs_whose_fragments_fit_each_stage() -> None:
+    from tessera import Plan
+    from tessera.planner.outer import choose, outer_options, runnable
+
+    options = outer_options(0.5, 100_000_000, 4, 2, lambda n: n / 1e11)  # fast link: every step would win
+    assert choose(options).sync == "every_step"
+    plan = Plan.from_dict({"pp": 2, "pipeline": {"microbatches": 2}})
+    kept = runnable(options, plan, n_layers=4)  # two layers a stage: F = 2 fits, 4 and 8 do not
+    assert {(o.sync, o.fragments) for o in kept} == {("diloco", 1), ("streaming", 2)}
+    assert choose(kept).sync in ("diloco", "streaming")
+    assert runnable(options, Plan(), n_layers=4) == options
+
+
 def test_the_planner_puts_a_group_in_each_region_when_the_link_between_is_slow() -> None:
     from tessera.planner import plan_for
 

@@ -111,7 +111,8 @@ class OuterSync:
     global batch (they sum to 1); ``index``: this rank's group; ``members``: that group's ranks (they
     write its checkpoint);
     ``blocks``: the names of the model's repeated blocks, in order (Streaming DiLoCo's fragments are
-    runs of them).
+    runs of them; under pipelining, of this stage's); ``holders``: the group's ranks holding the same
+    weights as this one (default ``members``).
 
     Streaming DiLoCo (``spec.fragments`` > 1) syncs one fragment of the layers every
     ``inner_steps / fragments`` steps, in turn, so each still syncs every ``inner_steps``. With
@@ -127,13 +128,17 @@ class OuterSync:
         index: int,
         members: dist.ProcessGroup | None = None,
         blocks: list[str] | None = None,
+        holders: dist.ProcessGroup | None = None,
     ) -> None:
         self.spec, self.weight, self.index, self.members = spec, weights[index], index, members
         self.across = group if isinstance(group, Across) else MeshAcross(group)
-        # Replicas inside a group (DDP, ZeRO-1: every rank holds every weight) split the sync: each sends a
-        # slice across and the group gathers the averaged slices, so the model crosses once per group.
-        replicated = members is not None and dist.get_world_size(members) > 1
-        self.replicas = members if replicated and not any(isinstance(p, DTensor) for p in params.values()) else None
+        # Replicas inside a group (DDP, ZeRO-1: every rank of ``holders``, the group's ranks that hold this
+        # rank's weights, holds every one of them) split the sync: each sends a slice across and they gather
+        # the averaged slices, so the model crosses once per group. Under pipelining the holders are one
+        # stage's data-parallel ranks, not the whole group.
+        holders = holders if holders is not None else members
+        replicated = holders is not None and dist.get_world_size(holders) > 1
+        self.replicas = holders if replicated and not any(isinstance(p, DTensor) for p in params.values()) else None
         which = fragment_of(list(params), blocks or [], spec.fragments)
         self.fragments = [
             _Fragment({n: p for (n, p), f in zip(params.items(), which) if f == fragment}, spec)

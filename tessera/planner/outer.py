@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from tessera.cluster.spec import Cluster, Node
 from tessera.errors import PlanError
 from tessera.groups import Groups
+from tessera.plan import Plan
 from tessera.planner.costs import ModelCosts
 from tessera.planner.search import Candidate, search
 
@@ -39,7 +40,7 @@ OUTER_BUDGET = 0.1  # the share of the inner steps' time a sync may cost
 STREAMING_FRAGMENTS = (2, 4, 8)
 STREAMING_DELAY = 1
 MAX_H = 10_000
-INNER_TOP = 50  # inner plans searched: the fastest may pipeline, which groups do not take yet
+INNER_TOP = 50  # inner plans searched: the fastest may mix replicas, which groups do not take yet
 
 
 @dataclass(frozen=True)
@@ -136,17 +137,33 @@ def outer_options(
 
 def choose(options: list[OuterOption]) -> OuterOption:
     """Every-step when its sync costs at most the budget; else the smallest H (streaming on a tie)."""
-    every = options[0]
-    if every.exposed_s <= OUTER_BUDGET * (every.step_s - every.exposed_s):
+    every = next((o for o in options if o.sync == "every_step"), None)
+    if every is not None and every.exposed_s <= OUTER_BUDGET * (every.step_s - every.exposed_s):
         return every
-    rest = options[1:]
+    rest = [o for o in options if o is not every]
     return min(rest, key=lambda o: (o.inner_steps, o.peak_bytes, o.step_s))
+
+
+def runnable(options: list[OuterOption], plan: Plan, n_layers: int) -> list[OuterOption]:
+    """The options ``plan`` (one group's inner layout) can run: with pipeline stages, no every-step sync,
+    and streaming fragments that divide every stage's layers (each stage syncs its own)."""
+    if plan.pp == 1:
+        return options
+    layers = [end - first for first, end in plan.pipeline.stage_ranges(n_layers, plan.pp)]
+    return [o for o in options if o.sync != "every_step" and all(n % o.fragments == 0 for n in layers)]
 
 
 def outer_choice(options: list[OuterOption]) -> str:
     """Why :func:`choose` picked what it picked, in one sentence with the figures."""
     every, best = options[0], choose(options)
     inner = every.step_s - every.exposed_s
+    if every.sync != "every_step":  # a pipeline inside the groups: only weight syncs run
+        return (
+            f"outer level: {best.describe()} syncs each stage's weights ({best.sync_s:.3g} s a sync) for "
+            f"{best.exposed_s:.3g} s of a {inner:.3g} s inner step, {_size(best.bytes_per_step)} a step across, "
+            f"{_size(best.peak_bytes)} at once — the smallest H within {OUTER_BUDGET:.0%} of the inner steps "
+            "(every-step sync does not run with pipelines inside the groups yet)"
+        )
     if best is every:
         return (
             f"outer level: every-step sync across regions costs {every.exposed_s:.3g} s of a {every.step_s:.3g} s "
@@ -169,7 +186,7 @@ def _size(n_bytes: float) -> str:
 
 
 def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top: int) -> list[Candidate]:
-    """The best inner plan of one region (pipelines and mixed replicas aside: groups do not take them yet),
+    """The best inner plan of one region (mixed replicas aside: groups do not take them yet),
     run in every region as a group, with the outer sync :func:`choose` picks. Empty unless the regions
     are alike and the batch splits evenly over them."""
     regions = alike_regions(cluster)
@@ -185,14 +202,16 @@ def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top
         found = search(sub, costs, global_batch // count, top=max(top, INNER_TOP))
     except PlanError:  # one region cannot hold the model, or its batch is too small
         return []
-    inner = [c for c in found if c.plan.pp == 1 and not c.plan.replicas]
+    inner = [c for c in found if not c.plan.replicas]
     devices = cluster.devices()
     kept = [[d for d, (node, _, _) in enumerate(devices) if node in region] for region in names]
     params = costs.stage_params(0, costs.n_layers)
     seconds = sync_seconds(cluster, regions)
     out = []
     for candidate in inner[:1]:
-        options = outer_options(candidate.estimate.step_s, params, 4, count, seconds)
+        options = runnable(
+            outer_options(candidate.estimate.step_s, params, 4, count, seconds), candidate.plan, costs.n_layers
+        )
         best = choose(options)
         size = len(candidate.plan.placement) if candidate.plan.placement is not None else sub.world_size
         placement = tuple(kept[g][candidate.plan.device_of(i)] for g in range(count) for i in range(size))
