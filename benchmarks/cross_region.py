@@ -21,6 +21,12 @@ the largest count in one step (streaming's peak vs DiLoCo's), and the training w
 tokens / the run's tokens/s: set-up excluded). Runs are interleaved: seed after seed, every layout.
 
     sudo python benchmarks/cross_region.py [--seeds 0 1 2] [--steps 200] [--json docs/cross_region.json]
+
+``--loopback`` trains the same layouts without the testbed (no cgroups, no shaped link, no root):
+the same computation, so the same losses, for runs too long for the 20 Mbit/s link (flat takes
+2.7 s a step there); its bytes never touch a wire and its seconds say nothing about the link.
+
+    python benchmarks/cross_region.py --loopback --steps 2000 --layouts flat "DiLoCo H=50" --json out.json
 """
 
 from __future__ import annotations
@@ -101,14 +107,14 @@ def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int) -> dict:
     }
 
 
-def run(work: Path, cluster: Path, layout: str, steps: int, seed: int) -> dict[str, float]:
-    """One `tessera train --testbed` run and its figures."""
+def run(work: Path, cluster: Path | None, layout: str, steps: int, seed: int) -> dict[str, float]:
+    """One `tessera train --testbed` run (loopback when ``cluster`` is None) and its figures."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{layout}-s{seed}")
     cfg_file = work / f"{name}.yaml"
     cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed)))
     started = time.perf_counter()
-    out = tessera("train", str(cfg_file), "--nproc", "4", "--testbed", str(cluster), "--testbed-cpus", str(CPUS),
-                  "--overwrite")  # fmt: skip
+    testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
+    out = tessera("train", str(cfg_file), "--nproc", "4", *testbed, "--overwrite")
     run_s = time.perf_counter() - started
     records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "step" in r and "event" not in r]
@@ -193,7 +199,9 @@ def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, An
             "runs": results,
             "median": med,
             "bytes_vs_flat": flat["counted_bytes_across"] / med["counted_bytes_across"],
-            "kernel_bytes_vs_flat": flat["kernel_bytes_across"] / med["kernel_bytes_across"],
+            "kernel_bytes_vs_flat": (  # none on loopback: no wire
+                flat["kernel_bytes_across"] / med["kernel_bytes_across"] if med["kernel_bytes_across"] else None
+            ),
             "loss_vs_flat": med["held_out_loss"] / flat["held_out_loss"] - 1,
             "speedup_vs_flat": flat["train_s"] / med["train_s"],
         }
@@ -206,6 +214,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--loopback", action="store_true", help="no testbed: the same losses, for long runs")
     ap.add_argument(
         "--add-to", type=Path, metavar="JSON", help="an earlier run's --json: its runs join these (flat's too)"
     )
@@ -218,8 +227,9 @@ def main() -> None:
             print(f"{layout:<20} one sync: predicted {row['predicted_s']:.3f} s, measured {row['measured_s']:.3f} s")
         return
     work = Path(tempfile.mkdtemp(prefix="tessera-cross-region-"))
-    cluster = work / "cluster.yaml"
-    cluster.write_text(yaml.safe_dump(cluster_spec()))
+    cluster: Path | None = None if args.loopback else work / "cluster.yaml"
+    if cluster is not None:
+        cluster.write_text(yaml.safe_dump(cluster_spec()))
     runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in args.layouts}
     for seed in args.seeds:
         for layout in args.layouts:
@@ -240,11 +250,14 @@ def main() -> None:
             f"{row['bytes_vs_flat']:>8.1f} {m['peak_step_bytes_across'] / 1e6:>8.2f} {m['train_s']:>8.1f} "
             f"{row['speedup_vs_flat']:>9.2f}"
         )
-    checks = {**(json.loads(args.add_to.read_text()).get("sync_check", {}) if args.add_to else {}), **sync_check(work)}
+    checks = {**(json.loads(args.add_to.read_text()).get("sync_check", {}) if args.add_to else {})}
+    if not args.loopback:  # on loopback no step waits for a link
+        checks.update(sync_check(work))
     for layout, row in checks.items():
         print(f"{layout:<20} one sync: predicted {row['predicted_s']:.3f} s, measured {row['measured_s']:.3f} s")
     if args.json:
-        meta = {"link_mbit": LINK_MBIT, "cpus": CPUS, "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS}
+        meta = {"link_mbit": None if args.loopback else LINK_MBIT, "cpus": None if args.loopback else CPUS,
+                "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS}  # fmt: skip
         args.json.write_text(
             json.dumps({"setup": meta, "layouts": table, "sync_check": checks, "work": str(work)}, indent=1)
         )
