@@ -198,7 +198,9 @@ def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, An
         table[layout] = {
             "runs": results,
             "median": med,
-            "bytes_vs_flat": flat["counted_bytes_across"] / med["counted_bytes_across"],
+            "bytes_vs_flat": (  # on loopback flat's ranks share a host: nothing of it counts as across
+                flat["counted_bytes_across"] / med["counted_bytes_across"] if med["counted_bytes_across"] else None
+            ),
             "kernel_bytes_vs_flat": (  # none on loopback: no wire
                 flat["kernel_bytes_across"] / med["kernel_bytes_across"] if med["kernel_bytes_across"] else None
             ),
@@ -247,7 +249,7 @@ def main() -> None:
         print(
             f"{layout:<20} {m['held_out_loss']:>9.4f} {row['loss_vs_flat']:>+8.1%} "
             f"{m['counted_bytes_across'] / 1e6:>10.1f} {m['kernel_bytes_across'] / 1e6:>10.1f} "
-            f"{row['bytes_vs_flat']:>8.1f} {m['peak_step_bytes_across'] / 1e6:>8.2f} {m['train_s']:>8.1f} "
+            f"{row['bytes_vs_flat'] or 0:>8.1f} {m['peak_step_bytes_across'] / 1e6:>8.2f} {m['train_s']:>8.1f} "
             f"{row['speedup_vs_flat']:>9.2f}"
         )
     checks = {**(json.loads(args.add_to.read_text()).get("sync_check", {}) if args.add_to else {})}
