@@ -87,10 +87,10 @@ def cluster_spec() -> dict:
     }
 
 
-def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int) -> dict:
+def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int, train_bytes: int = TRAIN_BYTES) -> dict:
     return {
         "model": MODEL,
-        "data": {"seq_len": SEQ, "max_bytes": TRAIN_BYTES},
+        "data": {"seq_len": SEQ, "max_bytes": train_bytes},
         "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
         "plan": plan,
@@ -107,11 +107,13 @@ def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int) -> dict:
     }
 
 
-def run(work: Path, cluster: Path | None, layout: str, steps: int, seed: int) -> dict[str, float]:
+def run(
+    work: Path, cluster: Path | None, layout: str, steps: int, seed: int, train_bytes: int = TRAIN_BYTES
+) -> dict[str, float]:
     """One `tessera train --testbed` run (loopback when ``cluster`` is None) and its figures."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{layout}-s{seed}")
     cfg_file = work / f"{name}.yaml"
-    cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed)))
+    cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed, train_bytes)))
     started = time.perf_counter()
     testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
     out = tessera("train", str(cfg_file), "--nproc", "4", *testbed, "--overwrite")
@@ -218,6 +220,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--loopback", action="store_true", help="no testbed: the same losses, for long runs")
     ap.add_argument(
+        "--train-bytes", type=int, default=TRAIN_BYTES, help="text read for training; the held-out text follows"
+    )
+    ap.add_argument(
         "--add-to", type=Path, metavar="JSON", help="an earlier run's --json: its runs join these (flat's too)"
     )
     ap.add_argument(
@@ -235,7 +240,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in args.layouts}
     for seed in args.seeds:
         for layout in args.layouts:
-            result = run(work, cluster, layout, args.steps, seed)
+            result = run(work, cluster, layout, args.steps, seed, args.train_bytes)
             runs[layout].append(result)
             print(f"seed {seed} {layout}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
     if args.add_to:  # earlier layouts (and their work folder, for the sync check) join this run's
@@ -259,7 +264,8 @@ def main() -> None:
         print(f"{layout:<20} one sync: predicted {row['predicted_s']:.3f} s, measured {row['measured_s']:.3f} s")
     if args.json:
         meta = {"link_mbit": None if args.loopback else LINK_MBIT, "cpus": None if args.loopback else CPUS,
-                "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS}  # fmt: skip
+                "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS,
+                "train_bytes": args.train_bytes}  # fmt: skip
         args.json.write_text(
             json.dumps({"setup": meta, "layouts": table, "sync_check": checks, "work": str(work)}, indent=1)
         )
