@@ -59,6 +59,7 @@ from tessera.checkpoint_readers import (
 )
 from tessera.data.sharding import map_tensors
 from tessera.errors import RuntimeFault
+from tessera.parallel.outer import MeshAcross
 from tessera.parallel.zero1 import ShardedOptimizer
 
 
@@ -200,6 +201,8 @@ def save_checkpoint(
             torch.save(trainer_state, tmp / "trainer.pt")
             groups = outer.spec.count if (outer := _outer(optimizer)) is not None else None
             record = {"step": step, "world_size": dist.get_world_size(), "groups": groups, **meta}
+            if outer is not None:  # which group folders this one holds: each job's own under fault tolerance
+                record["holds"] = list(range(groups)) if isinstance(outer.across, MeshAcross) else [outer.index]
             (tmp / "meta.json").write_text(json.dumps(record))
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         if not _disk_full(exc):

@@ -57,12 +57,17 @@ def checkpoint_root(path: str | Path) -> Path:
 
 def model_folders(path: str | Path) -> list[tuple[str, Path]]:
     """Each model a checkpoint holds, named, with the folder of its DCP state: the checkpoint itself, or
-    one folder per group under Plan.groups with an outer sync (``group_<g>``)."""
+    one folder per group under Plan.groups with an outer sync (``group_<g>``; a fault-tolerant group's
+    checkpoint holds its own only)."""
     path = Path(path)
-    groups = read_meta(path).get("groups")
+    meta = read_meta(path)
+    groups = meta.get("groups")
     if groups is None:
         return [(path.name, path)]
-    return [(f"{path.name}/group_{g}", path / f"group_{g}") for g in range(groups)]
+    holds = meta.get("holds", list(range(groups)))  # a fault-tolerant group's job writes its own folder only
+    if not isinstance(holds, list) or not holds or not all(isinstance(g, int) and 0 <= g < groups for g in holds):
+        raise CheckpointError(f"'{path / 'meta.json'}' is corrupted: holds={holds!r} is not a list of its groups.")
+    return [(f"{path.name}/group_{g}", path / f"group_{g}") for g in holds]
 
 
 def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:

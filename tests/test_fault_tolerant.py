@@ -214,6 +214,13 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
     final = [load_full_model_state(run / f"group_{g}" / "checkpoints" / "step_00000024" / f"group_{g}") for g in (0, 1)]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0]), "the groups ended apart"
+    # each group's checkpoint holds its own folder: merge takes both, one island each, and they agree
+    from tessera.merge import merge
+
+    report, _ = merge([run / f"group_{g}" / "checkpoints" / "step_00000024" for g in (0, 1)], eval_bytes=4096)
+    islands = sorted(name for name in report.losses if name not in ("average", "ensemble"))
+    assert len(islands) == 2 and islands[0].endswith("group_0") and islands[1].endswith("group_1"), islands
+    assert report.losses[islands[0]] == report.losses[islands[1]] == report.losses["average"]
     for g in (0, 1):  # and the syncs were applied, not dropped: both learned
         losses = [json.loads(line)["loss"] for line in (run / f"group_{g}" / "metrics.jsonl").read_text().splitlines()]
         assert losses[-1] < losses[0] - 0.3, (g, losses)
