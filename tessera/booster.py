@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from tessera import distributed, traffic
-from tessera.data.sharding import ShardedLoader, ShareBatchSampler
+from tessera.data.sharding import ShardedLoader, ShareBatchSampler, split_batch
 from tessera.errors import PlanError
 from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer
@@ -73,15 +73,13 @@ class Booster:
         if self.fault_tolerant:  # this job is one group: the rest of the Plan lays it out
             assert self.groups is not None
             self.group_index = fault_tolerant.group_from_env(self.groups.count)
-            whole = plan.resolve(world * self.groups.count)  # the whole run, for this group's share of the data
-            self._data_plan, self._data_rank = whole, whole.data_rank(self.group_index * world + rank)
             self.plan = dataclasses.replace(plan, groups=None).resolve(world)
+            fault_tolerant.check_group_job(self.groups, self.group_index, self.plan, world)
             coords = self.plan.coords(rank)
         else:
             self.plan = plan.resolve(world)
             coords = self.plan.coords(rank)
             self.group_index = coords.group  # under Plan.groups: which group this rank trains in
-            self._data_plan, self._data_rank = self.plan, self.plan.data_rank(rank)
         self.dp_rank, self.sp_rank = coords.dp, coords.sp  # which samples, which slice of each sequence
         shares = self.plan.shares()
         self._share_weight = shares[self.dp_rank] * len(shares) / sum(shares)  # inside this rank's group
@@ -153,8 +151,11 @@ class Booster:
             return wrapped, None
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
         if self.groups is not None and self.groups.sync != "every_step":  # after the inner steps
+            # groups of different sizes meet through as many ranks as the smallest has (whole replicas)
+            slots = min(self.groups.sizes) if self.groups.uneven and self.groups.sizes else None
+            inside = self._ctx.meshes.inside
             across: dist.ProcessGroup | Across = (
-                fault_tolerant.TorchftAcross.from_env(self.group_index, self.device.type)
+                fault_tolerant.TorchftAcross.from_env(self.group_index, self.device.type, slots, inside)
                 if self.fault_tolerant
                 else self._ctx.meshes.group("group")
             )
@@ -169,6 +170,7 @@ class Booster:
                 members=self._ctx.meshes.inside,
                 blocks=[name for name, m in module.named_modules() if id(m) in blocks],
                 holders=self._ctx.meshes.grad.get_group(),
+                slots=slots,
             )
             if isinstance(across, fault_tolerant.TorchftAcross):
                 across.attach(outer)
@@ -287,11 +289,12 @@ class Booster:
         num_workers: int = 0,
     ) -> ShardedLoader:
         """Batches of this rank's share of every global batch, moved to this rank's device."""
+        split, data_rank = self._batch_split(global_batch_size)
         sampler = ShareBatchSampler(
             len(dataset),  # type: ignore[arg-type]
             global_batch_size,
-            self._data_plan.batch_split(global_batch_size),  # samples per data rank: the shares, group after group
-            self._data_rank,
+            split,
+            data_rank,
             seed=seed,
             shuffle=shuffle,
         )
@@ -299,6 +302,18 @@ class Booster:
         return ShardedLoader(
             dataset, sampler, self.device, collate_fn=collate_fn, num_workers=num_workers, seq_slice=seq_slice
         )
+
+    def _batch_split(self, global_batch_size: int) -> tuple[list[int], int]:
+        """Samples of every global batch per data rank (the shares, group after group) and which entry this
+        rank reads. A fault-tolerant group's job knows its own ranks only: the other groups count as one
+        entry each, their share of the batch, which puts this group's samples where they would be."""
+        if not self.fault_tolerant:
+            return self.plan.batch_split(global_batch_size), self.plan.data_rank(dist.get_rank())
+        assert self.groups is not None
+        per_group = split_batch(global_batch_size, self.groups.group_shares())
+        g = self.group_index
+        mine = split_batch(per_group[g], self.plan.shares())
+        return [*per_group[:g], *mine, *per_group[g + 1 :]], g + self.plan.data_rank(dist.get_rank())
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -170,7 +170,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(
             "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
         )
-    cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group is not None)
+    cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group)
     rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank
         from tessera.train.run import main as run_main
@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     lighthouse.add_argument(
         "--heartbeat-timeout-s", type=float, default=5.0, help="how long a silent group counts as alive"
     )
+    lighthouse.add_argument(
+        "--join-timeout-s", type=float, default=3600.0, help="how long a sync waits for a live group to reach it"
+    )
     testbed = sub.add_parser("testbed", help="the one-machine testbed's housekeeping")
     testbed_sub = testbed.add_subparsers(dest="testbed_command", required=True)
     testbed_sub.add_parser("clean", help="remove cgroups and namespaces left by a testbed whose launcher was killed")
@@ -441,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "lighthouse":
             from tessera.train.group_jobs import serve_lighthouse
 
-            return serve_lighthouse(args.bind, args.min_groups, args.heartbeat_timeout_s)
+            return serve_lighthouse(args.bind, args.min_groups, args.heartbeat_timeout_s, args.join_timeout_s)
         if args.command == "testbed":
             from tessera.testbed import clean_stale
 

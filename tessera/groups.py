@@ -27,6 +27,9 @@ Streaming DiLoCo send (:mod:`tessera.parallel.compress`).
 ``fault_tolerant``: each group is its own job and they meet through torchft's quorum, so a group that
 fails does not stop the others and one that comes back takes their state
 (:mod:`tessera.parallel.fault_tolerant`; ``tessera train`` starts a Lighthouse and one job per group).
+Such groups may differ in size (``sizes``: ranks per group, e.g. a region of 8 and one of 4); groups
+of different sizes hold whole replicas (data parallelism, ZeRO-0/1) and sync through as many ranks
+as the smallest group has.
 
 Example:
     >>> plan = Plan(zero=2, groups=Groups(count=2, sync="diloco", inner_steps=50))
@@ -64,10 +67,12 @@ class Groups:
     delay: int = 0
     compression: str = "none"
     fault_tolerant: bool = False
+    sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.shares, list):
-            object.__setattr__(self, "shares", tuple(self.shares))
+        for name in ("shares", "sizes"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         _positive_int("groups.count", self.count, MAX_GROUPS)
         if self.sync not in SYNCS:
             raise PlanError(
@@ -118,6 +123,19 @@ class Groups:
                 )
             for i, share in enumerate(self.shares):
                 _positive_int(f"groups.shares[{i}]", share, MAX_INNER_STEPS)
+        if self.sizes is not None:
+            if not isinstance(self.sizes, tuple) or len(self.sizes) != self.count:
+                raise PlanError(
+                    f"Plan.groups.sizes must list the ranks of each of the {self.count} groups, "
+                    f"got {shown(self.sizes)}."
+                )
+            for i, size in enumerate(self.sizes):
+                _positive_int(f"groups.sizes[{i}]", size, MAX_INNER_STEPS)
+            if len(set(self.sizes)) > 1 and not self.fault_tolerant:
+                raise PlanError(
+                    f"Plan.groups.sizes={list(self.sizes)} differ: groups of different sizes run as separate jobs, "
+                    "so set fault_tolerant: true (or make the sizes equal)."
+                )
         if not isinstance(self.fault_tolerant, bool):
             raise PlanError(f"Plan.groups.fault_tolerant must be true or false, got {shown(self.fault_tolerant)}.")
         if self.fault_tolerant and self.sync not in ("diloco", "streaming"):
@@ -134,6 +152,27 @@ class Groups:
     def group_shares(self) -> tuple[int, ...]:
         """Relative samples per group (all ones when even)."""
         return self.shares if self.shares is not None else (1,) * self.count
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the groups differ in size."""
+        return self.sizes is not None and len(set(self.sizes)) > 1
+
+    def group_worlds(self, ranks: int) -> list[int]:
+        """Ranks of each group when ``ranks`` are launched for all of them (refused when they do not fit)."""
+        if self.sizes is not None:
+            if sum(self.sizes) != ranks:
+                raise PlanError(
+                    f"Plan.groups.sizes={list(self.sizes)} make {sum(self.sizes)} ranks but {ranks} were launched: "
+                    f"launch {sum(self.sizes)} or change the sizes."
+                )
+            return list(self.sizes)
+        if ranks % self.count:
+            raise PlanError(
+                f"Plan.groups.count={self.count} does not divide the {ranks} ranks: groups are equal, so launch a "
+                f"multiple of {self.count} ranks or change the count."
+            )
+        return [ranks // self.count] * self.count
 
 
 def _positive_int(name: str, value: Any, maximum: int) -> None:

@@ -440,13 +440,14 @@ class Plan:
         dp = self.dp
         ranks, job = world_size, f"the job has {world_size} ranks"
         if self.groups is not None:
-            count = self.groups.count
-            if world_size % count:
+            if self.groups.uneven:  # set only with fault_tolerant: each group is its own job, laid out alone
                 raise PlanError(
-                    f"Plan.groups.count={count} does not divide the {world_size} ranks: groups are equal, so launch a "
-                    f"multiple of {count} ranks or change the count."
+                    f"Plan.groups.sizes={list(self.groups.sizes or ())} differ, so each group is its own job: resolve "
+                    "the Plan without groups on one group's ranks (the Booster does)."
                 )
-            ranks, job = world_size // count, f"each of the {count} groups has {world_size // count} ranks"
+            count = self.groups.count
+            ranks = self.groups.group_worlds(world_size)[0]
+            job = f"each of the {count} groups has {ranks} ranks"
         if dp is None:
             if ranks % mp:
                 raise PlanError(

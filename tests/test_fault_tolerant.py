@@ -154,11 +154,12 @@ class _Alone(Across):
         return self.commits
 
 
-def _one_sync(across: Across) -> tuple[dict, dict, dict]:
+def _one_sync(across: Across, slots: int | None = None) -> tuple[dict, dict, dict]:
     """Weights before, after two inner steps, and after the outer sync that follows them."""
     model = build_model("llama")
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = OuterSync(dict(model.named_parameters()), across, Groups(count=2, inner_steps=2), [0.25, 0.75], 0)
+    spec = Groups(count=2, inner_steps=2)
+    outer = OuterSync(dict(model.named_parameters()), across, spec, [0.25, 0.75], 0, slots=slots)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for x, y in global_batches(TokenData(), 4, 2):
         loss_fn(model(x), y).backward()
@@ -169,10 +170,12 @@ def _one_sync(across: Across) -> tuple[dict, dict, dict]:
     return before, trained, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_a_group_syncing_alone_takes_its_own_change_whole() -> None:
+@pytest.mark.parametrize("slots", [None, 1])
+def test_a_group_syncing_alone_takes_its_own_change_whole(slots: int | None) -> None:
     """Its share is 1/4, but with nobody else in the quorum the average is its own change: the outer
-    step (SGD, Nesterov momentum 0.9, lr 0.7, from zero momentum) moves by 0.7 · 1.9 · change."""
-    before, trained, after = _one_sync(_Alone())
+    step (SGD, Nesterov momentum 0.9, lr 0.7, from zero momentum) moves by 0.7 · 1.9 · change. With
+    ``slots`` (groups of different sizes) the change travels padded to whole quantiser blocks."""
+    before, trained, after = _one_sync(_Alone(), slots)
     for name in before:
         change = before[name] - trained[name]
         torch.testing.assert_close(after[name], before[name] - 0.7 * 1.9 * change, rtol=1e-5, atol=1e-6)
@@ -187,19 +190,21 @@ def test_a_group_that_just_healed_brings_no_change_and_a_failed_commit_is_droppe
 
 
 def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_path: Path) -> None:
-    """`tessera train` with fault-tolerant groups on one machine: a Lighthouse and a torchrun job per group.
-    Group 1's rank crashes before step 7; torchrun starts it again (--max-restarts 1), it takes group 0's
-    step and state at the next outer sync, and both end on the same weights (step 24 is a sync)."""
+    """`tessera train` with fault-tolerant groups on one machine: a Lighthouse and a torchrun job per group,
+    of different sizes (1 rank and 2 DDP ranks: they sync through one rank each, the second of group 1
+    takes the decisions and a healed state from its rank 0). Group 1's rank 0 crashes before step 7;
+    torchrun starts the group again (--max-restarts 1), it takes group 0's step and state at the next
+    outer sync, and both end on the same weights (step 24 is a sync)."""
     from test_checkpoint import tiny_config
 
     from tessera.export import load_full_model_state
 
-    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True}
+    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True, "sizes": [1, 2]}
     config = tiny_config(tmp_path / "runs", 24, 8, {"preset": "ddp", "groups": groups})
     config["train"]["log_every"] = 4
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "TESSERA_FAULT": "group1:0:7,group0:hang:0:10:6"}  # group 0 slows so group 1 catches up
-    command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "2", "--max-restarts", "1"]
+    command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "3", "--max-restarts", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "tessera.cli", *command],
         env=env,
@@ -208,7 +213,7 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 groups of 1 rank(s), each its own job" in proc.stdout
+    assert "2 groups of 1, 2 ranks, each its own job" in proc.stdout
     assert "group 1 rejoined: took step" in proc.stdout, proc.stdout[-3000:]
     run = tmp_path / "runs" / "t"
     final = [load_full_model_state(run / f"group_{g}" / "checkpoints" / "step_00000024" / f"group_{g}") for g in (0, 1)]
@@ -235,3 +240,19 @@ def test_a_group_job_that_does_not_say_which_group_it_is_is_refused(monkeypatch:
     monkeypatch.delenv("TESSERA_GROUP")
     with pytest.raises(PlanError, match="--group G --lighthouse ADDRESS"):
         group_from_env(2)
+
+
+def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
+    from tessera import Plan
+    from tessera.errors import NotSupportedYet
+    from tessera.parallel.fault_tolerant import check_group_job
+
+    groups = Groups(count=2, fault_tolerant=True, sizes=(2, 1))
+    assert groups.uneven and groups.group_worlds(3) == [2, 1]
+    with pytest.raises(PlanError, match="each group is its own job"):
+        Plan(groups=groups).resolve(3)  # no one mesh holds groups of different sizes
+    check_group_job(groups, 0, Plan().resolve(2), 2)
+    with pytest.raises(PlanError, match=r"sizes\[1\]=1 but group 1's job has 2 ranks"):
+        check_group_job(groups, 1, Plan().resolve(2), 2)
+    with pytest.raises(NotSupportedYet, match="sync whole replicas"):
+        check_group_job(groups, 0, Plan(zero=3).resolve(2), 2)

@@ -352,6 +352,9 @@ def test_islands_never_meet(runs: dict) -> None:
             "fault_tolerant=true needs delay=0",
         ),
         ({"fault_tolerant": "yes"}, 4, PlanError, "fault_tolerant must be true or false"),
+        ({"sizes": [3, 1]}, 4, PlanError, "differ: groups of different sizes run as separate jobs"),
+        ({"sizes": [2, 2, 2]}, 6, PlanError, "sizes must list the ranks of each of the 2 groups"),
+        ({"sizes": [3, 3]}, 4, PlanError, r"sizes=\[3, 3\] make 6 ranks but 4 were launched"),
     ],
 )
 def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, match: str) -> None:

@@ -35,15 +35,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tessera import traffic
-from tessera.errors import PlanError
+from tessera.errors import NotSupportedYet, PlanError
+from tessera.groups import Groups
 from tessera.parallel.outer import Across, OuterSync
+from tessera.plan import Plan
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 GROUP_ENV = "TESSERA_GROUP"  # which of Plan.groups this job is (tessera train sets it)
 TIMEOUT_ENV = "TESSERA_FT_TIMEOUT_S"
 MAX_DROPPED_SYNCS = 5  # in a row
+JOIN_TIMEOUT_MS = 3_600_000
 
 
 def group_from_env(count: int) -> int:
@@ -65,6 +69,21 @@ class _Done:
         return True
 
 
+def check_group_job(groups: Groups, group: int, plan: Plan, world: int) -> None:
+    """This job's ranks against ``groups.sizes``, and an inner layout (``plan``, resolved) that groups of
+    different sizes can sync: whole replicas on every rank."""
+    if groups.sizes is not None and groups.sizes[group] != world:
+        raise PlanError(
+            f"Plan.groups.sizes[{group}]={groups.sizes[group]} but group {group}'s job has {world} ranks: launch "
+            f"{groups.sizes[group]} (tessera train gives each group its size) or change the sizes."
+        )
+    if groups.uneven and (plan.zero >= 2 or plan.tp > 1 or plan.pp > 1 or plan.ulysses_size > 1):
+        raise NotSupportedYet(
+            f"Plan.groups.sizes={list(groups.sizes or ())} differ: such groups sync whole replicas, so lay them out "
+            "with data parallelism and ZeRO-0 or 1 (not yet zero 2/3, tp, pp or sp)."
+        )
+
+
 def check_reachable(lighthouse: str, timeout_s: float = 5.0) -> None:
     """Refuse a Lighthouse address that nothing answers on, before torchft would wait on it."""
     parsed = urllib.parse.urlparse(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
@@ -84,13 +103,19 @@ def check_reachable(lighthouse: str, timeout_s: float = 5.0) -> None:
 
 
 def start_lighthouse(
-    bind: str = "127.0.0.1:0", min_groups: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 5000
+    bind: str = "127.0.0.1:0",
+    min_groups: int = 1,
+    join_timeout_ms: int = JOIN_TIMEOUT_MS,
+    heartbeat_timeout_ms: int = 5000,
 ) -> Any:
     """A torchft Lighthouse listening on ``bind`` (``host:port``; port 0: any free one). Its
     ``address()`` is what every group's Manager dials; ``shutdown()`` stops it.
 
     ``min_groups``: the fewest groups a quorum may have; ``heartbeat_timeout_ms``: how long a silent
-    group counts as alive (then the others carry on without it)."""
+    group counts as alive (then the others carry on without it); ``join_timeout_ms``: how long a quorum
+    waits for a group that is alive but not at the sync yet. DiLoCo's groups meet every H steps and may
+    differ in speed by far more than torchft's default second, so by default they wait for each other
+    (an hour); a group that dies stops heartbeating and is left out within ``heartbeat_timeout_ms``."""
     from torchft._torchft import LighthouseServer
 
     host, _, port = bind.rpartition(":")
@@ -129,12 +154,34 @@ class TorchftAcross(Across):
 
     ``group``: this group's index in Plan.groups; ``lighthouse``: the Lighthouse's address;
     ``timeout_s``: how long a collective or a recovery may take before the group counts as failed.
-    Every rank of the group makes one (rank 0's Manager serves the group to the Lighthouse)."""
+    Every rank of the group makes one. ``slots``: how many of the group's ranks meet the other groups
+    (the smallest group's size, when groups differ; rank 0's Manager serves the group to the
+    Lighthouse); the ranks past them take each decision and a healed state from rank 0 over ``inside``,
+    the group's own ranks."""
 
-    def __init__(self, group: int, lighthouse: str, timeout_s: float = 60.0, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        group: int,
+        lighthouse: str,
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+        slots: int | None = None,
+        inside: dist.ProcessGroup | None = None,
+    ) -> None:
         check_reachable(lighthouse)
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+        self.inside = inside
+        size = dist.get_world_size(inside) if inside is not None else 1
+        self.rank = dist.get_rank(inside) if inside is not None else 0
+        self.slots = slots or size
+        self.extra = size > self.slots  # ranks past the slots wait for rank 0's word
+        self.outer: OuterSync | None = None
+        self.healed = False
+        self.syncs: list[dict[str, Any]] = []  # per sync: groups taking part, healed, committed (for logs)
+        self.manager: Any = None
+        if self.rank >= self.slots:
+            return
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = ProcessGroupNCCL(timeout=timeout) if device == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -146,16 +193,18 @@ class TorchftAcross(Across):
             init_sync=False,  # every group builds the same weights from the same seed
             lighthouse_addr=lighthouse,
             replica_id=f"group_{group}",
+            rank=self.rank,
+            world_size=self.slots,
             timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=max(timeout_s, 3600.0)),  # groups wait H steps for each other
             connect_timeout=timeout,
             max_retries=MAX_DROPPED_SYNCS,  # then it raises: syncs that keep failing are a broken job
         )
-        self.healed = False
-        self.syncs: list[dict[str, Any]] = []  # per sync: groups taking part, healed, committed (for logs)
 
     @classmethod
-    def from_env(cls, group: int, device: str = "cpu") -> TorchftAcross:
+    def from_env(
+        cls, group: int, device: str = "cpu", slots: int | None = None, inside: dist.ProcessGroup | None = None
+    ) -> TorchftAcross:
         """For group ``group`` of a job ``tessera train`` launched: the Lighthouse from TORCHFT_LIGHTHOUSE."""
         lighthouse = os.environ.get(LIGHTHOUSE_ENV, "")
         if not lighthouse:
@@ -163,10 +212,14 @@ class TorchftAcross(Across):
                 f"Plan.groups.fault_tolerant=true needs a Lighthouse: {LIGHTHOUSE_ENV} is not set (`tessera train` "
                 "starts one and sets it; on several machines start `tessera lighthouse` and pass --lighthouse)."
             )
-        return cls(group, lighthouse, timeout_s=float(os.environ.get(TIMEOUT_ENV, "60")), device=device)
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "60"))
+        return cls(group, lighthouse, timeout_s=timeout_s, device=device, slots=slots, inside=inside)
 
     def attach(self, outer: OuterSync) -> None:
         """Serve ``outer``'s state to groups coming back, and load a live group's when this one does."""
+        self.outer = outer
+        if self.manager is None:
+            return
 
         def load(state: dict[str, Any]) -> None:
             outer.load_heal_state(state)
@@ -179,11 +232,29 @@ class TorchftAcross(Across):
 
         self.manager.register_state_dict_fn("outer", load, serve)
 
+    def _from_rank0(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank of the group (as it is when no rank is past the slots)."""
+        if not self.extra:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.inside, 0), group=self.inside)
+        return box[0]
+
     def begin(self) -> bool:
         self.healed = False
-        self.manager.start_quorum()
-        self.syncs.append({"groups": self.manager.num_participants(), "healed": self.healed})
-        return not self.healed
+        groups = 0
+        if self.manager is not None:
+            self.manager.start_quorum()
+            groups = self.manager.num_participants()
+        healed, groups = self._from_rank0((self.healed, groups))
+        if healed and self.extra:  # the ranks past the slots take the state rank 0 just took
+            assert self.outer is not None
+            state = self._from_rank0(self.outer.heal_state() if self.rank == 0 else None)
+            if self.manager is None:
+                self.outer.load_heal_state(state)
+        self.healed = healed
+        self.syncs.append({"groups": groups, "healed": healed})
+        return not healed
 
     def size(self) -> int:
         return self.pg.size()
@@ -208,13 +279,14 @@ class TorchftAcross(Across):
 
     def total_weight(self, weight: float) -> float:
         total = torch.tensor([weight], dtype=torch.float64)
-        self.all_reduce(total).wait()
-        return float(total)
+        if self.manager is not None:
+            self.all_reduce(total).wait()
+        return self._from_rank0(float(total))
 
     def commit(self) -> bool:
-        committed = self.manager.should_commit()
+        committed = self._from_rank0(self.manager.should_commit() if self.manager is not None else None)
         self.syncs[-1]["committed"] = committed
-        if not committed:  # dropped by every group; said, so that a sync that never succeeds is seen
+        if not committed and self.manager is not None:  # dropped by every group; said, so it is seen
             error = self.manager.errored()
             cause = getattr(error, "original_exception", error)
             print(
@@ -236,4 +308,5 @@ class TorchftAcross(Across):
             self.manager.report_error(exc)
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)

@@ -129,6 +129,7 @@ class OuterSync:
         members: dist.ProcessGroup | None = None,
         blocks: list[str] | None = None,
         holders: dist.ProcessGroup | None = None,
+        slots: int | None = None,
     ) -> None:
         self.spec, self.weight, self.index, self.members = spec, weights[index], index, members
         self.across = group if isinstance(group, Across) else MeshAcross(group)
@@ -139,6 +140,12 @@ class OuterSync:
         holders = holders if holders is not None else members
         replicated = holders is not None and dist.get_world_size(holders) > 1
         self.replicas = holders if replicated and not any(isinstance(p, DTensor) for p in params.values()) else None
+        # Groups of different sizes split the sync into as many slices as the smallest has ranks (``slots``):
+        # the holders past them send nothing across and take the averaged slices from the others.
+        # Given, the slices are cut for ``slots`` even in a group of one rank, so every group sends the same.
+        self.slots = slots
+        replicas = self.replicas
+        self.sends = replicas is None or dist.get_rank(replicas) < (slots or dist.get_world_size(replicas))
         which = fragment_of(list(params), blocks or [], spec.fragments)
         self.fragments = [
             _Fragment({n: p for (n, p), f in zip(params.items(), which) if f == fragment}, spec)
@@ -172,7 +179,10 @@ class OuterSync:
         fragment.sent = [piece.clone() for piece in fragment.pieces] if self.spec.delay else []
         fragment.part = self._slice(flat)
         fragment.total = self.across.total_weight(weight)
-        if self.spec.compression == "none":
+        if not self.sends:  # a holder past the slots: its slice is gathered from the others in _arrive
+            if self.spec.compression != "none" and fragment.feedback.remainder is None:
+                fragment.feedback.remainder = torch.zeros_like(fragment.part)  # as the senders hold one
+        elif self.spec.compression == "none":
             fragment.work = self.across.all_reduce(fragment.part)
         else:  # quantised values do not add up where they are: gather every group's bytes, sum them here
             payload = fragment.feedback.encode(fragment.part)
@@ -183,10 +193,11 @@ class OuterSync:
 
     def _arrive(self, fragment: _Fragment) -> None:
         """Wait for the fragment's transfer; ``flat`` is then the average (applied when it is due)."""
-        if fragment.work is None:
+        if fragment.part is None:  # nothing in flight
             return
-        fragment.work.wait()
-        assert fragment.flat is not None and fragment.part is not None
+        if fragment.work is not None:
+            fragment.work.wait()
+        assert fragment.flat is not None
         part = fragment.part
         if fragment.gathered is not None:
             rows = fragment.gathered.view(self.across.size(), -1)
@@ -199,17 +210,18 @@ class OuterSync:
     def _slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``flat`` when replicas split the sync, else ``flat``. Slices are whole blocks
         of the quantiser, so compressing them equals compressing ``flat``, block for block."""
-        if self.replicas is None:
+        if self.replicas is None and self.slots is None:
             return flat
-        n = dist.get_world_size(self.replicas)
+        n = self.slots or dist.get_world_size(self.replicas)
         size = -(-flat.numel() // (n * BLOCK)) * BLOCK
         padded = torch.cat([flat, flat.new_zeros(size * n - flat.numel())])
-        return padded[dist.get_rank(self.replicas) * size :][:size]
+        index = dist.get_rank(self.replicas) if self.replicas is not None else 0
+        return padded[index * size :][:size] if index < n else flat.new_zeros(size)  # past the slots: nothing
 
     def _whole(self, part: torch.Tensor, numel: int) -> torch.Tensor:
         """Every replica's slice gathered (the inverse of :meth:`_slice`), ``numel`` values long."""
         if self.replicas is None:
-            return part
+            return part[:numel]  # a slice of one: the whole, maybe padded for slots
         whole = part.new_empty(dist.get_world_size(self.replicas) * part.numel())
         dist.all_gather_into_tensor(whole, part.contiguous(), group=self.replicas)
         return whole[:numel]

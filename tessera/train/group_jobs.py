@@ -61,16 +61,12 @@ def launch_one_group(args: argparse.Namespace, cfg: Config, rank_args: list[str]
 
 def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
     """Every group on this machine: a Lighthouse, then one ``tessera train --group G`` per group."""
-    if args.nproc % groups.count:
-        raise ConfigError(
-            f"--nproc {args.nproc} does not split into plan.groups.count={groups.count} equal groups: launch a "
-            f"multiple of {groups.count} ranks."
-        )
+    worlds = groups.group_worlds(args.nproc)  # checked by the preflight already
     server = start_lighthouse(args.lighthouse_bind, min_groups=1, heartbeat_timeout_ms=5000)
     address = lighthouse_address(server, args.lighthouse_bind)
-    per_group = args.nproc // groups.count
+    sizes = f"of {worlds[0]} rank(s)" if len(set(worlds)) == 1 else f"of {', '.join(map(str, worlds))} ranks"
     print(
-        f"tessera: Lighthouse at {address}; {groups.count} groups of {per_group} rank(s), each its own job "
+        f"tessera: Lighthouse at {address}; {groups.count} groups {sizes}, each its own job "
         "(a group that fails leaves the others training)",
         flush=True,
     )
@@ -80,7 +76,7 @@ def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
             command = [
                 sys.executable, "-m", "tessera.cli", "train", args.config,
                 *(f"--set={o}" for o in args.overrides),
-                "--nproc", str(per_group), "--group", str(group), "--lighthouse", address,
+                "--nproc", str(worlds[group]), "--group", str(group), "--lighthouse", address,
                 "--max-restarts", str(args.max_restarts), *(["--overwrite"] if args.overwrite else []),
             ]  # fmt: skip
             children.append(subprocess.Popen(command, env={**os.environ}))
@@ -102,9 +98,14 @@ def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
     return 0
 
 
-def serve_lighthouse(bind: str, min_groups: int, heartbeat_timeout_s: float) -> int:
+def serve_lighthouse(bind: str, min_groups: int, heartbeat_timeout_s: float, join_timeout_s: float) -> int:
     """``tessera lighthouse``: serve until interrupted."""
-    server = start_lighthouse(bind, min_groups=min_groups, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    server = start_lighthouse(
+        bind,
+        min_groups=min_groups,
+        join_timeout_ms=int(join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+    )
     print(f"tessera: Lighthouse at {lighthouse_address(server, bind)} (Ctrl-C stops it)", flush=True)
     try:
         while True:

@@ -8,11 +8,15 @@ directory's owner, and the cluster file of ``--emulate``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+from tessera.data.sharding import split_batch
 from tessera.errors import PlanError
 from tessera.inputs import check_output_dir
+from tessera.parallel.fault_tolerant import check_group_job
+from tessera.plan import Plan
 from tessera.train.config import Config, ConfigError, load_config, plan_from_config
 
 # Bytes per parameter a rank holds besides the weights it builds: fp32 gradients and Adam's two moments.
@@ -57,22 +61,36 @@ def check_memory(cfg: Config, plan, nproc: int) -> None:
         )
 
 
+def _resolved(plan: Plan, world: int, global_batch: int, group: int | None) -> Plan:
+    """``plan`` resolved for the launch, its batch split checked. Fault-tolerant groups are separate jobs:
+    each group's layout is resolved on its own ranks (``world`` is group ``group``'s alone when given)."""
+    groups = plan.groups
+    if groups is None or not groups.fault_tolerant:
+        resolved = plan.resolve(world)
+        split_batch(global_batch, resolved.shares())
+        return resolved
+    jobs = [(group, world)] if group is not None else list(enumerate(groups.group_worlds(world)))
+    per_group = split_batch(global_batch, groups.group_shares())
+    for g, ranks in jobs:
+        if not 0 <= g < groups.count:
+            raise PlanError(f"--group {g} is not one of the {groups.count} groups (0 to {groups.count - 1}).")
+        resolved = dataclasses.replace(plan, groups=None).resolve(ranks)
+        check_group_job(groups, g, resolved, ranks)
+        split_batch(per_group[g], resolved.shares())
+    return resolved
+
+
 def check_training(
-    config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool, one_group: bool = False
+    config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool, group: int | None = None
 ) -> Config:
     """Validate a ``tessera train`` invocation; return its config. Raises a ValueError naming the fix.
-    ``one_group``: the launch is one group of fault-tolerant Plan.groups (the run has count times its ranks)."""
-    from tessera.data.sharding import split_batch
+    ``group``: the launch is that group of fault-tolerant Plan.groups alone."""
     from tessera.data.text import check_corpus_size, resolve_paths
 
     cfg = load_config(config, overrides)
     world = nproc * nnodes
-    groups = plan_from_config(cfg.plan).groups if one_group else None
-    if groups is not None and groups.fault_tolerant:
-        world *= groups.count
     try:
-        plan = plan_from_config(cfg.plan).resolve(world)
-        split_batch(cfg.train.global_batch_size, plan.shares())
+        plan = _resolved(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
     except PlanError as exc:
         raise ConfigError(f"plan (for {world} ranks): {exc}") from None
     check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only: ranks read
