@@ -286,7 +286,7 @@ class TorchftAcross(Across):
     def commit(self) -> bool:
         committed = self._from_rank0(self.manager.should_commit() if self.manager is not None else None)
         self.syncs[-1]["committed"] = committed
-        if not committed and self.manager is not None:  # dropped by every group; said, so it is seen
+        if not committed and self.rank == 0:  # dropped by every group; said (once a group), so it is seen
             error = self.manager.errored()
             cause = getattr(error, "original_exception", error)
             print(
