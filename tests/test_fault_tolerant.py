@@ -227,8 +227,12 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
     assert len(islands) == 2 and islands[0].endswith("group_0") and islands[1].endswith("group_1"), islands
     assert report.losses[islands[0]] == report.losses[islands[1]] == report.losses["average"]
     for g in (0, 1):  # and the syncs were applied, not dropped: both learned
-        losses = [json.loads(line)["loss"] for line in (run / f"group_{g}" / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run / f"group_{g}" / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in records]
         assert losses[-1] < losses[0] - 0.3, (g, losses)
+        syncs = [s for r in records for s in r.get("outer_syncs", [])]  # each sync's quorum, in metrics.jsonl
+        assert syncs and all(s["committed"] for s in syncs), syncs
+        assert any(s["healed"] for s in syncs) == (g == 1), syncs  # group 1 took group 0's state once
 
 
 def test_a_group_job_that_does_not_say_which_group_it_is_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

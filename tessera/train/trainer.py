@@ -151,6 +151,7 @@ class Trainer:
         self.losses: list[float] = []
         self.traffic = {link: traffic.LinkTraffic() for link in traffic.LINKS}  # the job's, over the steps run
         self.reported_step = 0
+        self.syncs_reported = 0  # outer syncs already in metrics.jsonl (fault-tolerant groups)
 
     def _restore(self) -> Path | None:
         """Continue from the newest complete checkpoint, if there is one."""
@@ -308,10 +309,22 @@ class Trainer:
         }
         if peak_bytes is not None:
             record["peak_tensor_bytes_per_rank"] = per_rank_peaks
+        if syncs := self._new_outer_syncs():
+            record["outer_syncs"] = syncs
         if self.job_peak:
             record["mfu"] = record["achieved_tflops"] / self.job_peak
         log.log(record)
         progress.update(self.step, loss, tok_s, elapsed, done)
+
+    def _new_outer_syncs(self) -> list[dict[str, Any]]:
+        """Under fault-tolerant Plan.groups, each outer sync since the last record: the groups in its
+        quorum, whether this group healed from another, whether it committed."""
+        outer = getattr(self.optimizer, "outer", None)
+        syncs = getattr(getattr(outer, "across", None), "syncs", None)
+        if not syncs:
+            return []
+        new, self.syncs_reported = syncs[self.syncs_reported :], len(syncs)
+        return list(new)
 
     def _peak_bytes(self) -> contextlib.AbstractContextManager[list[int]]:
         """Peak tensor bytes of one step on this rank (train.measure_memory_at)."""
