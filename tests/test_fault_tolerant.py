@@ -260,3 +260,31 @@ def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
         check_group_job(groups, 1, Plan().resolve(2), 2)
     with pytest.raises(NotSupportedYet, match="sync whole replicas"):
         check_group_job(groups, 0, Plan(zero=3).resolve(2), 2)
+
+
+def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_does(tmp_path: Path) -> None:
+    """Each group's job checkpoints its own folder; stopped at step 8 and resumed (`--resume`), both groups
+    reach step 16 bit for bit where a straight run does."""
+    from test_checkpoint import tiny_config
+
+    from tessera.export import load_full_model_state
+
+    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True}
+    config = tiny_config(tmp_path / "runs", 16, 8, {"preset": "ddp", "groups": groups})
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
+
+    def train(*more: str) -> None:
+        command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / "ft.yaml"), "--nproc", "2", *more]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    train("--set", "train.stop_at=8", "--set", "logging.run_name=split")
+    train("--resume", "--set", "logging.run_name=split")
+    train("--set", "logging.run_name=straight")
+    for g in (0, 1):
+        folder = Path("checkpoints") / "step_00000016" / f"group_{g}"
+        split, straight = (
+            load_full_model_state(tmp_path / "runs" / name / f"group_{g}" / folder) for name in ("split", "straight")
+        )
+        assert split.keys() == straight.keys()
+        assert all(torch.equal(split[k], straight[k]) for k in split), f"group {g} differs after stop + resume"
