@@ -68,7 +68,8 @@ def _logs(out: Path) -> str:
 def crashed_and_rejoined(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ft")
     bind = "127.0.0.1:0"
-    server = start_lighthouse(bind, min_groups=1, join_timeout_ms=500, heartbeat_timeout_ms=1500)
+    # a live group is waited for at a sync (whichever starts first), a silent one left out after 1.5 s
+    server = start_lighthouse(bind, min_groups=1, join_timeout_ms=30_000, heartbeat_timeout_ms=1500)
     address = lighthouse_address(server, bind)
     try:
         first = _group(0, address, out, die_at=-1, run="a")
@@ -203,7 +204,10 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
     config = tiny_config(tmp_path / "runs", 24, 8, {"preset": "ddp", "groups": groups})
     config["train"]["log_every"] = 4
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "TESSERA_FAULT": "group1:0:7,group0:hang:0:10:6"}  # group 0 slows so group 1 catches up
+    # Both groups hold before step 1 until the other has started (a sync waits only for a group that is up:
+    # without this the first to start may sync alone and the crash come before they ever met); group 1's
+    # rank 0 then crashes before step 7.
+    env = {**os.environ, "TESSERA_FAULT": "group0:hang:0:1:5,group1:hang:0:1:5,group1:0:7"}
     command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "3", "--max-restarts", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "tessera.cli", *command],
@@ -273,9 +277,11 @@ def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_do
     config = tiny_config(tmp_path / "runs", 16, 8, {"preset": "ddp", "groups": groups})
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
 
-    def train(*more: str) -> None:
+    def train(*more: str) -> None:  # both groups hold before their first step until the other is up
         command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / "ft.yaml"), "--nproc", "2", *more]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        holds = ",".join(f"group{g}:hang:0:{step}:4" for g in (0, 1) for step in (1, 9))  # starts, and the resume
+        env = {**os.environ, "TESSERA_FAULT": holds}
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     train("--set", "train.stop_at=8", "--set", "logging.run_name=split")
