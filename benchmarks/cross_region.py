@@ -71,6 +71,10 @@ LAYOUTS: dict[str, dict] = {
         "groups": groups("diloco", inner_steps=50, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
     },
     "streaming H=50 F=2": {"preset": "ddp", "groups": groups("streaming", inner_steps=50, fragments=2, delay=1)},
+    # the outer optimizer's two knobs, for the loss gap (run with --loopback)
+    "DiLoCo H=50 outer lr 1.0": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, outer_lr=1.0)},
+    "DiLoCo H=50 outer lr 0.4": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, outer_lr=0.4)},
+    "DiLoCo H=50 momentum 0.5": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, outer_momentum=0.5)},
 }
 FRAGMENTS = 2
 
