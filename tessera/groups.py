@@ -115,27 +115,13 @@ class Groups:
                 f"Plan.groups.compression={self.compression!r} compresses the outer gradients of sync: diloco or "
                 f"streaming; sync: {self.sync} sends none."
             )
-        if self.shares is not None:
-            if not isinstance(self.shares, tuple) or len(self.shares) != self.count:
-                raise PlanError(
-                    f"Plan.groups.shares must list one positive integer per group ({self.count}), "
-                    f"got {shown(self.shares)}."
-                )
-            for i, share in enumerate(self.shares):
-                _positive_int(f"groups.shares[{i}]", share, MAX_INNER_STEPS)
-        if self.sizes is not None:
-            if not isinstance(self.sizes, tuple) or len(self.sizes) != self.count:
-                raise PlanError(
-                    f"Plan.groups.sizes must list the ranks of each of the {self.count} groups, "
-                    f"got {shown(self.sizes)}."
-                )
-            for i, size in enumerate(self.sizes):
-                _positive_int(f"groups.sizes[{i}]", size, MAX_INNER_STEPS)
-            if len(set(self.sizes)) > 1 and not self.fault_tolerant:
-                raise PlanError(
-                    f"Plan.groups.sizes={list(self.sizes)} differ: groups of different sizes run as separate jobs, "
-                    "so set fault_tolerant: true (or make the sizes equal)."
-                )
+        _per_group("shares", self.shares, self.count, f"one positive integer per group ({self.count})")
+        _per_group("sizes", self.sizes, self.count, f"the ranks of each of the {self.count} groups")
+        if self.uneven and not self.fault_tolerant:
+            raise PlanError(
+                f"Plan.groups.sizes={list(self.sizes or ())} differ: groups of different sizes run as separate jobs, "
+                "so set fault_tolerant: true (or make the sizes equal)."
+            )
         if not isinstance(self.fault_tolerant, bool):
             raise PlanError(f"Plan.groups.fault_tolerant must be true or false, got {shown(self.fault_tolerant)}.")
         if self.fault_tolerant and self.sync not in ("diloco", "streaming"):
@@ -173,6 +159,16 @@ class Groups:
                 f"multiple of {self.count} ranks or change the count."
             )
         return [ranks // self.count] * self.count
+
+
+def _per_group(name: str, values: Any, count: int, what: str) -> None:
+    """Refuse ``groups.<name>`` unless it is absent or ``count`` positive integers (``what`` says so)."""
+    if values is None:
+        return
+    if not isinstance(values, tuple) or len(values) != count:
+        raise PlanError(f"Plan.groups.{name} must list {what}, got {shown(values)}.")
+    for i, value in enumerate(values):
+        _positive_int(f"groups.{name}[{i}]", value, MAX_INNER_STEPS)
 
 
 def _positive_int(name: str, value: Any, maximum: int) -> None:
