@@ -23,8 +23,9 @@ counts as the all-reduce it is. The testbed's kernel counters check these figure
 A collective's **time** runs from its issue to its completion (its Work's future; a functional
 collective ends at its ``wait_tensor``). A link class's achieved bandwidth is the bytes of its timed
 collectives over the time during which at least one of them was in flight. Timing is off unless
-:func:`timing` turns it on: a callback on every collective's future slowed collective-heavy steps by
-~20 % on CPU, so the trainer times only the steps it reports.
+:func:`timing` turns it on, as it costs a callback per collective (first measured as ~20 % on
+collective-heavy CPU tests, then not reproduced: docs/architecture.md); the trainer times only the
+steps it reports.
 
 Example:
     >>> traffic.install(); traffic.bind(nodes=["a", "a", "b", "b"], groups=[0, 0, 1, 1])
@@ -208,10 +209,8 @@ _LIBRARIES: list[torch.library.Library] = []
 
 
 def _finish(span: list[float]) -> Callable[[Any], None]:
-    def done(_: Any) -> None:
-        span[1] = time.perf_counter()
-
-    return done
+    """A Work-future callback that closes ``span``."""
+    return lambda _: finish(span)
 
 
 def _count(group: Any, kind: str, nbytes: int, peer: int | None = None) -> list[float] | None:
@@ -279,9 +278,7 @@ def _wait_kernel() -> Callable[..., Any]:
     def kernel(tensor: torch.Tensor) -> Any:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             result = op(tensor)
-        span = _COUNTER.waiting.pop(id(tensor), None)
-        if span is not None:
-            span[1] = time.perf_counter()
+        finish(_COUNTER.waiting.pop(id(tensor), None))
         return result
 
     return kernel
@@ -324,7 +321,7 @@ def count_across_groups(kind: str, nbytes: int, groups: int) -> list[float] | No
 
 
 def finish(span: list[float] | None) -> None:
-    """Close the span :func:`count_across_groups` returned, once its collective has finished."""
+    """Close a timed collective's span (as :func:`count_across_groups` returns it) once it has finished."""
     if span is not None:
         span[1] = time.perf_counter()
 
