@@ -75,11 +75,10 @@ class Booster:
             self.group_index = fault_tolerant.group_from_env(self.groups.count)
             self.plan = dataclasses.replace(plan, groups=None).resolve(world)
             fault_tolerant.check_group_job(self.groups, self.group_index, self.plan, world)
-            coords = self.plan.coords(rank)
         else:
             self.plan = plan.resolve(world)
-            coords = self.plan.coords(rank)
-            self.group_index = coords.group  # under Plan.groups: which group this rank trains in
+            self.group_index = self.plan.coords(rank).group  # under Plan.groups: which group this rank trains in
+        coords = self.plan.coords(rank)
         self.dp_rank, self.sp_rank = coords.dp, coords.sp  # which samples, which slice of each sequence
         shares = self.plan.shares()
         self._share_weight = shares[self.dp_rank] * len(shares) / sum(shares)  # inside this rank's group
@@ -152,7 +151,7 @@ class Booster:
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
         if self.groups is not None and self.groups.sync != "every_step":  # after the inner steps
             # groups of different sizes meet through as many ranks as the smallest has (whole replicas)
-            slots = min(self.groups.sizes) if self.groups.uneven and self.groups.sizes else None
+            slots = min(self.groups.sizes or ()) if self.groups.uneven else None
             inside = self._ctx.meshes.inside
             across: dist.ProcessGroup | Across = (
                 fault_tolerant.TorchftAcross.from_env(self.group_index, self.device.type, slots, inside)
@@ -167,7 +166,7 @@ class Booster:
                 self.groups,
                 self._group_weights(),
                 self.group_index,
-                members=self._ctx.meshes.inside,
+                members=inside,
                 blocks=[name for name, m in module.named_modules() if id(m) in blocks],
                 holders=self._ctx.meshes.grad.get_group(),
                 slots=slots,

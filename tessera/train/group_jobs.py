@@ -62,7 +62,7 @@ def launch_one_group(args: argparse.Namespace, cfg: Config, rank_args: list[str]
 def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
     """Every group on this machine: a Lighthouse, then one ``tessera train --group G`` per group."""
     worlds = groups.group_worlds(args.nproc)  # checked by the preflight already
-    server = start_lighthouse(args.lighthouse_bind, min_groups=1, heartbeat_timeout_ms=5000)
+    server = start_lighthouse(args.lighthouse_bind)
     address = lighthouse_address(server, args.lighthouse_bind)
     sizes = f"of {worlds[0]} rank(s)" if len(set(worlds)) == 1 else f"of {', '.join(map(str, worlds))} ranks"
     print(
