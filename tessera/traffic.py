@@ -132,12 +132,15 @@ _KEY = "ADInplaceOrView"
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
 
 
-def _nbytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or lists, tuples and dicts of them)."""
     return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
@@ -244,7 +247,7 @@ def _c10d_kernel(name: str, arg: int, kind: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             result = op(*args, **kwargs)
-        span = _count(args[group_at], kind, _nbytes(args[arg]), peer=args[2] if name == "send" else None)
+        span = _count(args[group_at], kind, tensor_bytes(args[arg]), peer=args[2] if name == "send" else None)
         if span is not None:
             work = result[-1] if isinstance(result, tuple) else result
             try:
@@ -263,7 +266,7 @@ def _functional_kernel(name: str, arg: int, kind: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             result = op(*args, **kwargs)
-        span = _count(args[group_at] if len(args) > group_at else kwargs["group_name"], kind, _nbytes(args[arg]))
+        span = _count(args[group_at] if len(args) > group_at else kwargs["group_name"], kind, tensor_bytes(args[arg]))
         if span is not None:
             for out in _tensors(result):  # it ends when its output is waited for
                 _COUNTER.waiting[id(out)] = span

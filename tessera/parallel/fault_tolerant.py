@@ -139,16 +139,6 @@ def lighthouse_address(server: Any, bind: str) -> str:
     return f"http://{bind.rpartition(':')[0]}:{port}"
 
 
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
 class TorchftAcross(Across):
     """The groups meet through torchft: a quorum at each outer sync, sums over the groups in it.
 
@@ -227,7 +217,7 @@ class TorchftAcross(Across):
 
         def serve() -> dict[str, Any]:  # torchft sends it to the group coming back: counted as sent across
             state = outer.heal_state()
-            traffic.finish(traffic.count_across_groups("whole", _tensor_bytes(state), 2))
+            traffic.finish(traffic.count_across_groups("whole", traffic.tensor_bytes(state), 2))
             return state
 
         self.manager.register_state_dict_fn("outer", load, serve)
