@@ -294,3 +294,79 @@ def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_do
         )
         assert split.keys() == straight.keys()
         assert all(torch.equal(split[k], straight[k]) for k in split), f"group {g} differs after stop + resume"
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every process below ``pid``, read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (ValueError, OSError):
+            continue
+    below, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child in [c for c, p in parents.items() if p == parent]:
+            try:
+                below[child] = (Path("/proc") / str(child) / "cmdline").read_text().replace("\0", " ")
+            except OSError:
+                continue
+            todo.append(child)
+    return below
+
+
+def _gone(pids: dict[int, str], within_s: float) -> dict[int, str]:
+    """The processes of ``pids`` still alive (zombies count as gone) after waiting up to ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = {}
+        for pid, command in pids.items():
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive[pid] = command
+            except OSError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def test_killing_tessera_train_stops_every_group_torchrun_and_rank(tmp_path: Path) -> None:
+    """A SIGKILL cannot be caught, yet nothing `tessera train` started may outlive it: killing one group's
+    job stops its torchrun and rank (torchrun dies with its parent), killing the launcher stops every
+    group's job, which stops its own torchrun and ranks."""
+    from test_checkpoint import tiny_config
+
+    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True}
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(tiny_config(tmp_path / "runs", 8, 8, {"groups": groups})))
+    env = {**os.environ, "TESSERA_FAULT": "group0:hang:0:1:300,group1:hang:0:1:300"}  # both wait at step 1
+    command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / "ft.yaml"), "--nproc", "2"]
+    said = tmp_path / "stderr.txt"  # the groups' jobs write here too, and outlive the launcher
+    with said.open("w") as stderr:
+        launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    tree: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while sum("tessera.train.run" in c for c in tree.values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            tree = _descendants(launcher.pid)
+        assert sum("tessera.train.run" in c for c in tree.values()) == 2, tree  # a rank per group is up
+        group1 = next(pid for pid, c in tree.items() if "--group 1" in c and "tessera.cli" in c)
+        below1 = _descendants(group1)
+        assert any("tessera.train.torchrun" in c for c in below1.values()), below1
+        os.kill(group1, 9)
+        assert not _gone(below1, 40), "group 1's torchrun or rank outlived its SIGKILLed job"
+        os.kill(launcher.pid, 9)
+        assert not _gone(tree, 60), "processes outlived the SIGKILLed launcher"
+        # group 0's job was told (not left to fail when the Lighthouse went away with the launcher)
+        assert "group 0: stopped by SIGTERM, and so were its ranks" in said.read_text(), said.read_text()[-3000:]
+    finally:  # orphans are no longer below the launcher: find them by the run's folder
+        for pid in [launcher.pid, *_descendants(1)]:
+            try:
+                if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_text() or pid == launcher.pid:
+                    os.kill(pid, 9)
+            except OSError:
+                pass
+        launcher.wait()

@@ -19,18 +19,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-import signal
-import threading
 from dataclasses import asdict
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from tessera.cluster.spec import Cluster
 from tessera.errors import TestbedError
+from tessera.lifetime import termination_unwinds
 from tessera.testbed.cpu import CpuGroups, Hierarchy, find_cpu_hierarchy
 from tessera.testbed.network import Network
 from tessera.testbed.seat import Seat
@@ -73,7 +72,7 @@ class Testbed:
         self._hierarchy = hierarchy
         self._groups: CpuGroups | None = None
         self._network: Network | None = None
-        self._handlers: dict[int, Any] = {}
+        self._signals: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         devices = cluster.devices()
         for rank, device in enumerate(self.rank_devices):
             if not 0 <= device < len(devices):
@@ -169,7 +168,8 @@ class Testbed:
         check_root()
         hierarchy = self._hierarchy or find_cpu_hierarchy()
         STATE_DIR.mkdir(mode=0o700, exist_ok=True)
-        self._catch_signals()
+        self._signals = termination_unwinds()  # SIGTERM and SIGHUP unwind to close() like Ctrl-C
+        self._signals.__enter__()
         try:
             self._write_state(hierarchy)  # first: a crash from here on leaves something clean_stale can find
             self._groups = CpuGroups.create(self.name, self.cores(), hierarchy)
@@ -195,7 +195,8 @@ class Testbed:
             self.seats_file.unlink(missing_ok=True)
         finally:
             self._groups = self._network = None
-            self._restore_signals()
+            self._signals.__exit__(None, None, None)
+            self._signals = contextlib.nullcontext()
 
     def _write_state(self, hierarchy: Hierarchy) -> None:
         state = {
@@ -209,22 +210,6 @@ class Testbed:
         tmp = self.seats_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(self.seats_file)
-
-    def _catch_signals(self) -> None:
-        """SIGTERM and SIGHUP unwind like Ctrl-C does, so the ``with`` block's teardown runs."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def unwind(signum: int, frame: FrameType | None) -> None:
-            raise SystemExit(128 + signum)
-
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._handlers[sig] = signal.signal(sig, unwind)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
-        self._handlers.clear()
 
 
 def clean_stale(state_dir: Path = STATE_DIR) -> list[str]:

@@ -22,6 +22,7 @@ import sys
 import time
 
 from tessera.groups import Groups
+from tessera.lifetime import dies_with_parent, termination_unwinds
 from tessera.parallel.fault_tolerant import (
     GROUP_ENV,
     LIGHTHOUSE_ENV,
@@ -70,24 +71,36 @@ def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
         "(a group that fails leaves the others training)",
         flush=True,
     )
-    children = []
+    children: list[subprocess.Popen] = []
     try:
-        for group in range(groups.count):
-            command = [
-                sys.executable, "-m", "tessera.cli", "train", args.config,
-                *(f"--set={o}" for o in args.overrides),
-                "--nproc", str(worlds[group]), "--group", str(group), "--lighthouse", address,
-                "--max-restarts", str(args.max_restarts), *(["--overwrite"] if args.overwrite else []),
-            ]  # fmt: skip
-            children.append(subprocess.Popen(command, env={**os.environ}))
-        codes = [child.wait() for child in children]
-    except KeyboardInterrupt:  # Ctrl-C reached the children too: each stops its own torchrun
+        with termination_unwinds():
+            for group in range(groups.count):
+                command = [
+                    sys.executable, "-m", "tessera.cli", "train", args.config,
+                    *(f"--set={o}" for o in args.overrides),
+                    "--nproc", str(worlds[group]), "--group", str(group), "--lighthouse", address,
+                    "--max-restarts", str(args.max_restarts), *(["--overwrite"] if args.overwrite else []),
+                ]  # fmt: skip
+                # a SIGKILL of this process SIGTERMs each child, which then stops its own torchrun
+                children.append(subprocess.Popen(command, env={**os.environ}, preexec_fn=dies_with_parent()))
+            codes = [child.wait() for child in children]
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # Ctrl-C reached the children too (one process group): each stops its own torchrun. A SIGTERM or
+        # SIGHUP came to this process alone: pass it on.
+        if isinstance(exc, SystemExit):
+            for child in children:
+                child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15
         for child in children:
             try:
                 child.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()  # its torchrun still gets SIGTERM: it dies with its parent
         raise
     finally:
         server.shutdown()

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.lifetime import dies_with_parent, signal_name, termination_unwinds
 from tessera.testbed.testbed import ENTER_SCRIPT
 from tessera.train.failures import (
     EXIT_COLLECTIVE_TIMEOUT,
@@ -262,17 +263,25 @@ def launch(job: Launch) -> int:
     try:
         with torchrun_log.open("w") as err:
             proc = subprocess.Popen(
-                _torchrun_command(job, folder), env=_environment(job, folder), stderr=err, start_new_session=True
+                _torchrun_command(job, folder),
+                env=_environment(job, folder),
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=dies_with_parent(),  # even a SIGKILL of this launcher stops torchrun
             )
             try:
-                code = _wait(proc, watcher)
+                with termination_unwinds():
+                    code = _wait(proc, watcher)
             except (KeyboardInterrupt, SystemExit) as exc:
-                # Ctrl-C, or SIGTERM/SIGHUP turned into SystemExit (the testbed's handler): torchrun runs
-                # in a session of its own, so stop it here or its ranks outlive us.
+                # Ctrl-C, or SIGTERM/SIGHUP turned into SystemExit: torchrun runs in a session of its
+                # own, so stop it here or its ranks outlive us.
                 _stop(proc)
+                label = job.label + ": " if job.label else ""
                 if isinstance(exc, SystemExit):
+                    print(f"tessera: error: {label}stopped by {signal_name(exc.code)}, and so were its ranks; "
+                          "continue later with --resume.", file=sys.stderr)  # fmt: skip
                     raise
-                print("tessera: error: interrupted; continue later with --resume.", file=sys.stderr)
+                print(f"tessera: error: {label}interrupted; continue later with --resume.", file=sys.stderr)
                 return EXIT_INTERRUPTED
         if code == 0:
             return 0
