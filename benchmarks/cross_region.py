@@ -65,6 +65,7 @@ LAYOUTS: dict[str, dict] = {
     "DiLoCo H=50": {"preset": "ddp", "groups": groups("diloco", inner_steps=50)},
     "DiLoCo H=100": {"preset": "ddp", "groups": groups("diloco", inner_steps=100)},
     "DiLoCo H=50 int8": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, compression="int8")},
+    "DiLoCo H=50 bf16": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, compression="bf16")},
     # plain model averaging every 50 steps (outer SGD, lr 1, no momentum): is it the outer optimizer?
     "average H=50": {
         "preset": "ddp",
@@ -76,6 +77,13 @@ LAYOUTS: dict[str, dict] = {
     "DiLoCo H=50 outer lr 0.4": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, outer_lr=0.4)},
     "DiLoCo H=50 momentum 0.5": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, outer_momentum=0.5)},
 }
+# Each group's AdamW sees half the flat run's batch: does its learning rate want scaling (for the loss gap)?
+INNER_LR: dict[str, float] = {}
+for factor in (0.7, 0.5, 1.4):
+    for base in ("DiLoCo H=50", "average H=50"):
+        LAYOUTS[f"{base} inner lr x{factor}"] = LAYOUTS[base]
+        INNER_LR[f"{base} inner lr x{factor}"] = factor
+LR = 3e-3
 FRAGMENTS = 2
 
 
@@ -91,11 +99,13 @@ def cluster_spec() -> dict:
     }
 
 
-def config(out_dir: Path, name: str, plan: dict, steps: int, seed: int, train_bytes: int = TRAIN_BYTES) -> dict:
+def config(
+    out_dir: Path, name: str, plan: dict, steps: int, seed: int, train_bytes: int = TRAIN_BYTES, lr: float = LR
+) -> dict:
     return {
         "model": MODEL,
         "data": {"seq_len": SEQ, "max_bytes": train_bytes},
-        "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "grad_clip": 1.0},
+        "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.1, "grad_clip": 1.0},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
         "plan": plan,
         "train": {
@@ -117,7 +127,8 @@ def run(
     """One `tessera train --testbed` run (loopback when ``cluster`` is None) and its figures."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{layout}-s{seed}")
     cfg_file = work / f"{name}.yaml"
-    cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed, train_bytes)))
+    lr = LR * INNER_LR.get(layout, 1.0)
+    cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed, train_bytes, lr)))
     started = time.perf_counter()
     testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
     out = tessera("train", str(cfg_file), "--nproc", "4", *testbed, "--overwrite")

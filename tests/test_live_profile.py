@@ -219,6 +219,30 @@ def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share
     assert costs.tp_block_at(8) == 0.0
 
 
+def test_fsdp_overhead_is_what_a_real_pair_measured_beyond_its_gathers_and_reduce_scatters(live: LiveProfile) -> None:
+    """A pair on node a whose sharded step is the plain one, plus its collectives priced by a's link
+    (a gather per unit in each pass and gloo's whole-buffer reduce-scatter), plus a known extra per
+    unit and pass: the costs hold the extra at the fastest node's speed, not the one-rank figure."""
+    from dataclasses import replace
+
+    from tessera.cluster.spec import Link
+    from tessera.planner.live_profile import FsdpPairMeasurement, fsdp_unit_overhead
+
+    analytic = ModelCosts.from_model(build_model("llama:4"), 16)
+    gloo = replace(live, backend="gloo", ranks=[replace(r, fsdp_unit_s=1e-4) for r in live.ranks])
+    costs = measured_costs(gloo, analytic)
+    assert costs.fsdp_unit_s == pytest.approx(1e-4)  # no pair measured: the one-rank figure
+    own = next(k for k in live.links if k.nodes == ("a", "a"))
+    link, units, extra = Link(own.bandwidth_gbs, own.latency_us, "gloo"), costs.n_layers + 1, 3e-3
+    steps = 2 + 2  # a gather per pass, and a reduce-scatter that gloo runs as an all-reduce (2 ring steps)
+    comm = steps * costs.stage_params(0, costs.n_layers) * 4 / 2 / (link.bandwidth_gbs * 1e9)
+    comm += units * steps * link.latency_us * 1e-6
+    pair = FsdpPairMeasurement("a", (0, 1), 0.05, 0.05 + comm + 2 * units * extra)
+    speed_a = relative_speeds(live)["a"]
+    assert fsdp_unit_overhead(replace(gloo, fsdp_pair=pair), costs, 1e-4) == pytest.approx(extra * speed_a)
+    assert measured_costs(replace(gloo, fsdp_pair=pair), analytic).fsdp_unit_s == pytest.approx(extra * speed_a)
+
+
 def test_the_activations_tp_keeps_whole_come_from_the_pairs_peaks(live: LiveProfile) -> None:
     """A sharded step allocating 0.7 of the plain one's peak at tp 2 keeps 40% of its activations whole
     (0.4 + 0.6 / 2); each tp rank's predicted activations follow it, and without a measurement the
@@ -254,6 +278,15 @@ def tensor_parallel_pair_worker() -> object:
                                    batch_sizes=(1, 3), repeats=1, window_s=0.0)  # fmt: skip
 
 
+def fsdp_pair_worker() -> object:
+    import torch.distributed as dist
+
+    from tessera.planner.live_profile import measure_fsdp_pair
+
+    group = dist.new_group([0, 1])
+    return measure_fsdp_pair(build_model("llama:4"), 16, torch.device("cpu"), "a", (0, 1), group, 1, 0.0)
+
+
 def comm_overlap_worker() -> float:
     from tessera.planner.live_profile import measure_comm_overlap
 
@@ -267,11 +300,14 @@ def test_a_tensor_parallel_pair_is_timed_plain_and_sharded_together(live: LivePr
 
     from parity import run_shared
 
-    results = run_shared(2, {"pair": (tensor_parallel_pair_worker, ()), "overlap": (comm_overlap_worker, ())})
+    workers = {"pair": tensor_parallel_pair_worker, "overlap": comm_overlap_worker, "fsdp": fsdp_pair_worker}
+    results = run_shared(2, {name: (worker, ()) for name, worker in workers.items()})
     assert all(0.0 <= share <= 1.0 for share in results["overlap"]), results["overlap"]  # every rank returns
     for m in results["pair"]:
         assert (m.node, m.ranks) == ("a", (0, 1)) and set(m.plain_s) == set(m.sharded_s) == {1, 3}
         assert all(t > 0 for t in (*m.plain_s.values(), *m.sharded_s.values())), m
         assert 0 < m.sharded_peak_bytes < m.plain_peak_bytes, m  # the sharded step allocates less
-    kept = replace(live, tensor_parallel=m)
+    for f in results["fsdp"]:  # FSDP over the same real pair
+        assert (f.node, f.ranks) == ("a", (0, 1)) and f.plain_s > 0 and f.sharded_s > 0, f
+    kept = replace(live, tensor_parallel=m, fsdp_pair=f)
     assert LiveProfile.load(kept.save(tmp_path / "live.json")) == kept

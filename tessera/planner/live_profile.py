@@ -124,6 +124,23 @@ class TensorParallelMeasurement:
 
 
 @dataclass
+class FsdpPairMeasurement:
+    """The whole model's forward and backward at one sample, plain and under ``fully_shard`` (a unit per
+    block and the root) over ``ranks``, two ranks of ``node`` (the fastest with two), timed together.
+
+    A one-rank group (:attr:`RankMeasurement.fsdp_unit_s`) shows FSDP's hooks but not what a real group
+    adds: copying every unit's parameters into the gather buffer and out of it, its gradients into the
+    reduce-scatter buffer, and the collectives themselves on the compute thread (gloo). On the testbed
+    that was 0.15 s of a ZeRO-2 step the predictors missed. :func:`fsdp_unit_overhead` derives the
+    per-unit cost from it."""
+
+    node: str
+    ranks: tuple[int, ...]
+    plain_s: float
+    sharded_s: float
+
+
+@dataclass
 class LiveProfile:
     """Everything one ``tessera cluster profile`` job measured."""
 
@@ -137,6 +154,7 @@ class LiveProfile:
     all_reduce_gbs: float = 0.0  # bus bandwidth of a gradient-sized all-reduce over every rank
     tensor_parallel: TensorParallelMeasurement | None = None  # None: no node has two ranks
     backend: str = "nccl"  # the collectives library the ranks ran (its links' Link.backend)
+    fsdp_pair: FsdpPairMeasurement | None = None  # None: no node has two ranks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -164,11 +182,13 @@ class LiveProfile:
                     tp.get("plain_peak_bytes", 0),
                     tp.get("sharded_peak_bytes", 0),
                 )
+            if (pair := data.get("fsdp_pair")) is not None:
+                pair = FsdpPairMeasurement(**{**pair, "ranks": tuple(pair["ranks"])})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise PlanError(
                 f"{path} is not a live profile ({type(exc).__name__}: {exc}): write one with `tessera cluster profile`."
             ) from None
-        return cls(**{**data, "ranks": ranks, "links": links, "tensor_parallel": tp})
+        return cls(**{**data, "ranks": ranks, "links": links, "tensor_parallel": tp, "fsdp_pair": pair})
 
 
 # ------------------------------------------------------------------------ measuring (every rank)
@@ -220,6 +240,29 @@ def _step_seconds(model: nn.Module, tokens: torch.Tensor, repeats: int, window_s
     return seconds
 
 
+def _plain_and_sharded_seconds(
+    model: nn.Module, seq_len: int, device: torch.device, group: dist.ProcessGroup, repeats: int, window_s: float
+) -> tuple[float, float]:
+    """Seconds of a forward and backward of ``model`` at one sample, plain and under ``fully_shard`` over
+    ``group`` (a unit per block and the root); every member of ``group`` calls this."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tessera.parallel.data_parallel import repeated_blocks
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    torch.manual_seed(1)  # the same tokens on every member
+    tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
+    plain = _step_seconds(model, tokens, repeats, window_s)
+    sharded = copy.deepcopy(model)
+    for block in repeated_blocks(sharded):
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    agree = _largest_asked(device, group) if group.size() > 1 else None  # members run as many collectives
+    dist.barrier(group=group)
+    return plain, _step_seconds(sharded, tokens, repeats, window_s, agree=agree)
+
+
 def measure_fsdp_overhead(
     model: nn.Module,
     seq_len: int,
@@ -229,25 +272,30 @@ def measure_fsdp_overhead(
     window_s: float = WINDOW_S,
 ) -> float:
     """Seconds per FSDP unit and pass on this rank's device: a forward and backward of the whole
-    model at micro-batch 1, plain and under ``fully_shard`` (a unit per block and the root) on
-    ``alone`` (a one-rank group: hooks and copies, but no transfer; the predictors add transfers
-    from the links). A throttled CPU pays these in full; profiling bare blocks missed them, and
-    ZeRO-2 was predicted 45% too fast.
+    model at micro-batch 1, plain and under ``fully_shard`` on ``alone`` (a one-rank group: hooks and
+    copies, but no transfer; the predictors add transfers from the links). A throttled CPU pays these
+    in full; profiling bare blocks missed them, and ZeRO-2 was predicted 45% too fast. Where a node
+    has two ranks, :class:`FsdpPairMeasurement` replaces this.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
     from tessera.parallel.data_parallel import repeated_blocks
 
-    mesh = DeviceMesh.from_group(alone, device.type)
-    n_blocks = len(repeated_blocks(model))
-    tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
-    plain = _step_seconds(model, tokens, repeats, window_s)
-    sharded = copy.deepcopy(model)
-    for block in repeated_blocks(sharded):
-        fully_shard(block, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
-    return max(_step_seconds(sharded, tokens, repeats, window_s) - plain, 0.0) / (2 * (n_blocks + 1))
+    plain, sharded = _plain_and_sharded_seconds(model, seq_len, device, alone, repeats, window_s)
+    return max(sharded - plain, 0.0) / (2 * (len(repeated_blocks(model)) + 1))
+
+
+def measure_fsdp_pair(
+    model: nn.Module,
+    seq_len: int,
+    device: torch.device,
+    node: str,
+    ranks: tuple[int, ...],
+    group: dist.ProcessGroup,
+    repeats: int = REPEATS,
+    window_s: float = WINDOW_S,
+) -> FsdpPairMeasurement:
+    """Time FSDP over a real two-rank ``group`` (``ranks`` of ``node``); only the members call this."""
+    plain, sharded = _plain_and_sharded_seconds(model, seq_len, device, group, repeats, window_s)
+    return FsdpPairMeasurement(node, tuple(ranks), plain, sharded)
 
 
 def tensor_parallel_pair(live_ranks: list[tuple[str, float]]) -> tuple[str, tuple[int, int]] | None:
@@ -578,7 +626,7 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
     tp_call, tp_sample = fit_line(points) if points else (0.0, 0.0)
     return replace(
         costs,
-        fsdp_unit_s=statistics.median(r.fsdp_unit_s for r in ranks),
+        fsdp_unit_s=fsdp_unit_overhead(live, costs, statistics.median(r.fsdp_unit_s for r in ranks)),
         tp_block_s=tp_call,
         tp_sample_s=tp_sample,
         tp_replicated_activations=tensor_parallel_replicated(live, analytic),
@@ -589,6 +637,30 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
         loss_grad_bytes=analytic.loss_grad_bytes,
         source=f"live profile ({live.where}; fastest: node {node}, median of its {len(ranks)} rank(s))",
     )
+
+
+def fsdp_unit_overhead(live: LiveProfile, costs: ModelCosts, alone_s: float) -> float:
+    """Seconds FSDP adds per unit (each block, and the root) and pass at the fastest node's speed, beyond
+    the transfers both predictors count: from the measured pair, (sharded − plain − its gathers and
+    reduce-scatters priced by the node's link) / (2 passes × units). ``alone_s`` (the one-rank
+    measurement) where the profile has no pair."""
+    m = live.fsdp_pair
+    if m is None:
+        return alone_s
+    own = [k for k in live.links if k.nodes == (m.node, m.node)]
+    if not own:
+        raise PlanError(
+            f"the live profile timed FSDP on node {m.node!r} but not the link inside it: profile again with "
+            "`tessera cluster profile`."
+        )
+    link = Link(_collective_gbs(own[0]), own[0].latency_us, live.backend)
+    n, units = len(m.ranks), costs.n_layers + 1
+    # fully_shard's default reshards after the forward: a gather per unit in each pass, one reduce-scatter
+    ring_steps = 2 * (n - 1) + link.reduce_scatter_steps(n)
+    comm = ring_steps * (costs.stage_params(0, costs.n_layers) * 4 / n / (link.bandwidth_gbs * 1e9))
+    comm += units * ring_steps * link.latency_us * 1e-6
+    speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest node's
+    return speed * max(m.sharded_s - m.plain_s - comm, 0.0) / (2 * units)
 
 
 def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[tuple[int, float], ...]:

@@ -32,6 +32,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         collective_latency_us,
         measure_comm_overlap,
         measure_fsdp_overhead,
+        measure_fsdp_pair,
         measure_links,
         measure_rank,
         measure_tensor_parallel,
@@ -59,27 +60,31 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     mine.fsdp_unit_s = measure_fsdp_overhead(model, cfg.data.seq_len, device, singletons[rank], **timing)
     speeds: list[Any] = [None] * world
     dist.all_gather_object(speeds, (mine.node, mine.block_s()))
-    tensor_parallel = None
-    if _can_split_in_two(model) and (pair := tensor_parallel_pair(speeds)) is not None:
+    tensor_parallel = fsdp_pair = None
+    if (pair := tensor_parallel_pair(speeds)) is not None:  # the fastest node's first two ranks
         node, members = pair
         group = dist.new_group(list(members))
         if rank in members:
-            tensor_parallel = measure_tensor_parallel(
-                model, cfg.data.seq_len, device, node, members, group, sizes, **timing
-            )
+            fsdp_pair = measure_fsdp_pair(model, cfg.data.seq_len, device, node, members, group, **timing)
+            if _can_split_in_two(model):
+                tensor_parallel = measure_tensor_parallel(
+                    model, cfg.data.seq_len, device, node, members, group, sizes, **timing
+                )
         dist.barrier()
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     mine.comm_overlap = measure_comm_overlap(device) if world > 1 else 1.0
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (mine, tensor_parallel))
+    dist.all_gather_object(gathered, (mine, tensor_parallel, fsdp_pair))
     if rank == 0:
         where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
-        tp = next((t for _, t in gathered if t is not None), None)
-        ranks = [r for r, _ in gathered]
+        tp = next((t for _, t, _ in gathered if t is not None), None)
+        fsdp = next((f for _, _, f in gathered if f is not None), None)
+        ranks = [r for r, _, _ in gathered]
         live = LiveProfile(
-            model_key(model), cfg.data.seq_len, precision, where, ranks, links, latency, bus, tp, dist.get_backend()
-        )
+            model_key(model), cfg.data.seq_len, precision, where, ranks, links, latency, bus, tp, dist.get_backend(),
+            fsdp,
+        )  # fmt: skip
         print(f"wrote {live.save(out)}", flush=True)
     shutdown()
 
