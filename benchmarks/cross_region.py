@@ -78,11 +78,12 @@ LAYOUTS: dict[str, dict] = {
     "DiLoCo H=50 momentum 0.5": {"preset": "ddp", "groups": groups("diloco", inner_steps=50, outer_momentum=0.5)},
 }
 # Each group's AdamW sees half the flat run's batch: does its learning rate want scaling (for the loss gap)?
+# Flat's too, so that the comparison is with flat at its own best rate.
 INNER_LR: dict[str, float] = {}
-for factor in (0.7, 0.5, 1.4):
-    for base in ("DiLoCo H=50", "average H=50"):
-        LAYOUTS[f"{base} inner lr x{factor}"] = LAYOUTS[base]
-        INNER_LR[f"{base} inner lr x{factor}"] = factor
+for factor in (0.5, 0.7, 1.4, 2.0, 2.8):
+    for base in ("flat", "DiLoCo H=50", "average H=50"):
+        LAYOUTS[f"{base} lr x{factor}"] = LAYOUTS[base]
+        INNER_LR[f"{base} lr x{factor}"] = factor
 LR = 3e-3
 FRAGMENTS = 2
 

@@ -26,18 +26,23 @@ from typing import Any
 _PR_SET_PDEATHSIG = 1
 
 
-def _unwind(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextlib.contextmanager
 def termination_unwinds() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)``; the handlers before it
-    come back after. Only the main thread can set handlers; elsewhere this does nothing."""
+    """Within the block, the first SIGTERM or SIGHUP raises ``SystemExit(128 + signal)``; later ones are
+    ignored, so that the clean-up the first one started is not cut short. (A child of a multi-threaded
+    process can get its parent-death signal once per thread of the parent as they exit.) The handlers
+    before it come back after. Only the main thread can set handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before: dict[int, Any] = {sig: signal.signal(sig, _unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    caught: list[int] = []
+
+    def unwind(signum: int, frame: FrameType | None) -> None:
+        if not caught:
+            caught.append(signum)
+            raise SystemExit(128 + signum)
+
+    before: dict[int, Any] = {sig: signal.signal(sig, unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

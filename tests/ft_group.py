@@ -6,7 +6,8 @@ After every outer sync it saves its weights (``OUT/g<GROUP>_<run>_step<N>.pt``) 
 DIE_AT it exits abruptly (code 17), as a crashed machine would. It stops after REJOINED syncs of both
 groups that follow a failure (a sync alone, or its own healing), so however long the crashed group takes
 to come back, the other is still training; MAX_STEPS bounds it (exit 3: nobody came back).
-PACE: seconds slept per step.
+PACE: seconds slept per step. FT_START_STEP starts it at that inner step, as a group resumed from a
+checkpoint would; FT_SYNCS stops it after that many syncs.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ def main() -> None:
     group, lighthouse, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     die_at, pace, rejoined = int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
     run = os.environ.get("FT_RUN", "0")
+    syncs = int(os.environ.get("FT_SYNCS", "0"))  # stop after this many syncs (0: after REJOINED, as above)
     tessera.init(backend="gloo")  # this group's own job: one rank, its own store
     model = build_model("llama")
     inner = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     across = TorchftAcross(group, lighthouse, timeout_s=20.0)
     outer = OuterSync(dict(model.named_parameters()), across, SPEC, [1 / GROUPS] * GROUPS, group)
     across.attach(outer)
+    outer.step = int(os.environ.get("FT_START_STEP", "0"))  # as a group resumed from a checkpoint at that step
     batches = list(global_batches(TokenData(), GLOBAL_BATCH, 64 // GLOBAL_BATCH))
     log = (out / f"g{group}.jsonl").open("a")
     failure_seen, together_since = False, 0
-    while together_since < rejoined:
+    while together_since < rejoined and (not syncs or len(across.syncs) < syncs):
         if outer.step >= MAX_STEPS:
             sys.exit(3)
         x, y = batches[outer.step % len(batches)]  # the step decides the batch: a healed group follows along

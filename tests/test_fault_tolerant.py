@@ -39,8 +39,8 @@ PACE = 0.25  # seconds per step
 REJOINED = 3  # syncs of both groups after group 1 is back, then both stop
 
 
-def _group(index: int, address: str, out: Path, die_at: int, run: str) -> subprocess.Popen:
-    env = {**os.environ, "FT_RUN": run, "PYTHONUNBUFFERED": "1"}
+def _group(index: int, address: str, out: Path, die_at: int, run: str, **more: str) -> subprocess.Popen:
+    env = {**os.environ, "FT_RUN": run, "PYTHONUNBUFFERED": "1", **more}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # its own job
         env.pop(key, None)
     log = (out / f"g{index}_{run}.log").open("w")
@@ -126,6 +126,37 @@ def test_a_crashed_group_leaves_the_others_training_and_rejoins_with_their_weigh
     assert not all(torch.equal(before[n], _weights(out, 1, "b", back_at)[n]) for n in before)
 
 
+def test_a_group_resumed_from_an_older_checkpoint_takes_the_others_state(tmp_path: Path) -> None:
+    """Both groups restarted from their own checkpoints, group 1's older (inner step 4, group 0's 8): group 1
+    is behind, so at a sync they share it takes group 0's state (step and weights) instead of averaging in a
+    change from another point of the run, and group 0 never takes group 1's. torchft heals by its own step
+    count, which every new Manager starts at 0; the groups give it their inner step, which checkpoints keep."""
+    bind = "127.0.0.1:0"
+    server = start_lighthouse(bind, min_groups=1, join_timeout_ms=30_000, heartbeat_timeout_ms=1500)
+    address = lighthouse_address(server, bind)
+    try:
+        procs = [
+            _group(g, address, tmp_path, die_at=-1, run="r", FT_START_STEP=start, FT_SYNCS="3")
+            for g, start in ((1, "4"), (0, "8"))
+        ]
+        assert all(p.wait(timeout=120) == 0 for p in procs), _logs(tmp_path)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        server.shutdown()
+    records = [_records(tmp_path, g) for g in (0, 1)]
+    assert not any(r["healed"] for r in records[0]), records[0]
+    healed = next(i for i, r in enumerate(records[1]) if r["healed"])  # then it trains with group 0
+    assert records[1][healed]["groups"] == 2 and records[1][healed]["step"] in [r["step"] for r in records[0]]
+    # the syncs both took part in, from the heal on (which group stops first, and syncs alone after, varies)
+    together = [{r["step"] for r in rs if r["groups"] == 2} for rs in (records[0], records[1][healed:])]
+    assert together[0] & together[1], (records[0], records[1])
+    step = max(together[0] & together[1])
+    want, got = (_weights(tmp_path, g, "r", step) for g in (0, 1))
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
 def test_an_unreachable_lighthouse_is_a_clear_error() -> None:
     with pytest.raises(PlanError, match="Lighthouse at http://127.0.0.1:9 cannot be reached"):
         check_reachable("http://127.0.0.1:9", timeout_s=2.0)
@@ -206,8 +237,9 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
     # Both groups hold before step 1 until the other has started (a sync waits only for a group that is up:
     # without this the first to start may sync alone and the crash come before they ever met); group 1's
-    # rank 0 then crashes before step 7.
-    env = {**os.environ, "TESSERA_FAULT": "group0:hang:0:1:5,group1:hang:0:1:5,group1:0:7"}
+    # rank 0 then crashes before step 7. Group 0 holds again before step 9: a restart slower than the
+    # Lighthouse's heartbeat timeout (a loaded machine) would otherwise find group 0 done with all 24 steps.
+    env = {**os.environ, "TESSERA_FAULT": "group0:hang:0:1:5,group1:hang:0:1:5,group1:0:7,group0:hang:0:9:15"}
     command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "3", "--max-restarts", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "tessera.cli", *command],
@@ -347,12 +379,17 @@ def test_killing_tessera_train_stops_every_group_torchrun_and_rank(tmp_path: Pat
     with said.open("w") as stderr:
         launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     tree: dict[int, str] = {}
+
+    def ranks() -> set[str]:  # the groups whose rank runs (torchrun's own command line names the module too)
+        ran = [c for c in tree.values() if "tessera.train.run" in c and "tessera.train.torchrun" not in c]
+        return {g for g in ("group_0", "group_1") for c in ran if g in c}
+
     try:
         deadline = time.monotonic() + 120
-        while sum("tessera.train.run" in c for c in tree.values()) < 2 and time.monotonic() < deadline:
+        while len(ranks()) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
             tree = _descendants(launcher.pid)
-        assert sum("tessera.train.run" in c for c in tree.values()) == 2, tree  # a rank per group is up
+        assert len(ranks()) == 2, tree  # a rank per group is up
         group1 = next(pid for pid, c in tree.items() if "--group 1" in c and "tessera.cli" in c)
         below1 = _descendants(group1)
         assert any("tessera.train.torchrun" in c for c in below1.values()), below1

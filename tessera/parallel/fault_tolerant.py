@@ -234,6 +234,12 @@ class TorchftAcross(Across):
         self.healed = False
         groups = 0
         if self.manager is not None:
+            if self.outer is not None:
+                # torchft heals the groups whose step is behind the quorum's highest. Its own count starts at 0
+                # in every new Manager; the inner step is in every checkpoint and alike in groups that are in
+                # step, so a group resumed from an older checkpoint than the others' heals from them.
+                committed = self.manager.batches_committed()
+                self.manager.load_state_dict({"step": self.outer.step, "batches_committed": committed})
             self.manager.start_quorum()
             groups = self.manager.num_participants()
         healed, groups = self._from_rank0((self.healed, groups))

@@ -72,8 +72,8 @@ def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
         flush=True,
     )
     children: list[subprocess.Popen] = []
-    try:
-        with termination_unwinds():
+    with termination_unwinds():  # around the clean-up too: a second SIGTERM must not cut it short
+        try:
             for group in range(groups.count):
                 command = [
                     sys.executable, "-m", "tessera.cli", "train", args.config,
@@ -84,26 +84,26 @@ def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
                 # a SIGKILL of this process SIGTERMs each child, which then stops its own torchrun
                 children.append(subprocess.Popen(command, env={**os.environ}, preexec_fn=dies_with_parent()))
             codes = [child.wait() for child in children]
-    except (KeyboardInterrupt, SystemExit) as exc:
-        # Ctrl-C reached the children too (one process group): each stops its own torchrun. A SIGTERM or
-        # SIGHUP came to this process alone: pass it on.
-        if isinstance(exc, SystemExit):
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Ctrl-C reached the children too (one process group): each stops its own torchrun. A SIGTERM or
+            # SIGHUP came to this process alone: pass it on.
+            if isinstance(exc, SystemExit):
+                for child in children:
+                    child.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 15
             for child in children:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for child in children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()  # its torchrun still gets SIGTERM: it dies with its parent
-        raise
-    finally:
-        server.shutdown()
+                try:
+                    child.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.send_signal(signal.SIGTERM)
+            for child in children:
+                try:
+                    child.wait(30)
+                except subprocess.TimeoutExpired:
+                    child.kill()  # its torchrun still gets SIGTERM: it dies with its parent
+            raise
+        finally:
+            server.shutdown()
     failed = [f"group {g} (exit {code})" for g, code in enumerate(codes) if code]
     if failed:
         print(f"tessera: error: {', '.join(failed)} failed; the others ran to the end.", file=sys.stderr)

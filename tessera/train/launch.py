@@ -269,20 +269,20 @@ def launch(job: Launch) -> int:
                 start_new_session=True,
                 preexec_fn=dies_with_parent(),  # even a SIGKILL of this launcher stops torchrun
             )
-            try:
-                with termination_unwinds():
+            with termination_unwinds():  # around the clean-up too: a second SIGTERM must not cut it short
+                try:
                     code = _wait(proc, watcher)
-            except (KeyboardInterrupt, SystemExit) as exc:
-                # Ctrl-C, or SIGTERM/SIGHUP turned into SystemExit: torchrun runs in a session of its
-                # own, so stop it here or its ranks outlive us.
-                _stop(proc)
-                label = job.label + ": " if job.label else ""
-                if isinstance(exc, SystemExit):
-                    print(f"tessera: error: {label}stopped by {signal_name(exc.code)}, and so were its ranks; "
-                          "continue later with --resume.", file=sys.stderr)  # fmt: skip
-                    raise
-                print(f"tessera: error: {label}interrupted; continue later with --resume.", file=sys.stderr)
-                return EXIT_INTERRUPTED
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    # Ctrl-C, or SIGTERM/SIGHUP turned into SystemExit: torchrun runs in a session of its
+                    # own, so stop it here or its ranks outlive us.
+                    _stop(proc)
+                    label = job.label + ": " if job.label else ""
+                    if isinstance(exc, SystemExit):
+                        print(f"tessera: error: {label}stopped by {signal_name(exc.code)}, and so were its ranks; "
+                              "continue later with --resume.", file=sys.stderr)  # fmt: skip
+                        raise
+                    print(f"tessera: error: {label}interrupted; continue later with --resume.", file=sys.stderr)
+                    return EXIT_INTERRUPTED
         if code == 0:
             return 0
         code, message = _explain(job, folder, watcher, torchrun_log)
