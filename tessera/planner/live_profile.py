@@ -639,6 +639,17 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
     )
 
 
+def _node_link(live: LiveProfile, node: str, timed: str) -> Link:
+    """The measured link inside ``node``, where the profile timed ``timed`` on a pair of its ranks."""
+    own = [k for k in live.links if k.nodes == (node, node)]
+    if not own:
+        raise PlanError(
+            f"the live profile timed {timed} on node {node!r} but not the link inside it: profile again with "
+            "`tessera cluster profile`."
+        )
+    return Link(_collective_gbs(own[0]), own[0].latency_us, live.backend)
+
+
 def fsdp_unit_overhead(live: LiveProfile, costs: ModelCosts, alone_s: float) -> float:
     """Seconds FSDP adds per unit (each block, and the root) and pass at the fastest node's speed, beyond
     the transfers both predictors count: from the measured pair, (sharded − plain − its gathers and
@@ -647,13 +658,7 @@ def fsdp_unit_overhead(live: LiveProfile, costs: ModelCosts, alone_s: float) -> 
     m = live.fsdp_pair
     if m is None:
         return alone_s
-    own = [k for k in live.links if k.nodes == (m.node, m.node)]
-    if not own:
-        raise PlanError(
-            f"the live profile timed FSDP on node {m.node!r} but not the link inside it: profile again with "
-            "`tessera cluster profile`."
-        )
-    link = Link(_collective_gbs(own[0]), own[0].latency_us, live.backend)
+    link = _node_link(live, m.node, "FSDP")
     n, units = len(m.ranks), costs.n_layers + 1
     # fully_shard's default reshards after the forward: a gather per unit in each pass, one reduce-scatter
     ring_steps = 2 * (n - 1) + link.reduce_scatter_steps(n)
@@ -677,13 +682,7 @@ def tensor_parallel_overhead(live: LiveProfile, costs: ModelCosts) -> tuple[tupl
     m = live.tensor_parallel
     if m is None:
         return ()
-    own = [k for k in live.links if k.nodes == (m.node, m.node)]
-    if not own:
-        raise PlanError(
-            f"the live profile timed tensor parallelism on node {m.node!r} but not the link inside it: profile again "
-            "with `tessera cluster profile`."
-        )
-    link, tp, blocks = Link(_collective_gbs(own[0]), own[0].latency_us), len(m.ranks), costs.n_layers
+    link, tp, blocks = _node_link(live, m.node, "tensor parallelism"), len(m.ranks), costs.n_layers
     speed = relative_speeds(live)[m.node]  # the node's seconds → the fastest node's
     points = []
     for b, plain in sorted(m.plain_s.items()):
