@@ -32,6 +32,7 @@ from tessera.parallel.fault_tolerant import (
     start_lighthouse,
 )
 from tessera.parallel.outer import Across, OuterSync
+from tessera.train.launch import _alive, is_rank
 
 WORKER = Path(__file__).parent / "ft_group.py"
 H, DIE_AT = 2, 3  # group 1 crashes after the sync at step 2, in the middle of the next window
@@ -353,13 +354,7 @@ def _gone(pids: dict[int, str], within_s: float) -> dict[int, str]:
     """The processes of ``pids`` still alive (zombies count as gone) after waiting up to ``within_s``."""
     deadline = time.monotonic() + within_s
     while True:
-        alive = {}
-        for pid, command in pids.items():
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive[pid] = command
-            except OSError:
-                pass
+        alive = {pid: command for pid, command in pids.items() if _alive(pid) is not None}
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.5)
@@ -380,9 +375,8 @@ def test_killing_tessera_train_stops_every_group_torchrun_and_rank(tmp_path: Pat
         launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     tree: dict[int, str] = {}
 
-    def ranks() -> set[str]:  # the groups whose rank runs (torchrun's own command line names the module too)
-        ran = [c for c in tree.values() if "tessera.train.run" in c and "tessera.train.torchrun" not in c]
-        return {g for g in ("group_0", "group_1") for c in ran if g in c}
+    def ranks() -> set[str]:  # the groups whose rank runs
+        return {g for g in ("group_0", "group_1") for pid, c in tree.items() if g in c and is_rank(pid)}
 
     try:
         deadline = time.monotonic() + 120
