@@ -299,7 +299,7 @@ def measure_fsdp_pair(
 
 
 def tensor_parallel_pair(live_ranks: list[tuple[str, float]]) -> tuple[str, tuple[int, int]] | None:
-    """The node whose two first ranks time tensor parallelism: the fastest (median block seconds) of
+    """The node whose two first ranks time tensor parallelism and FSDP: the fastest (median block seconds) of
     the nodes with two ranks or more; ``live_ranks`` is (node, block seconds) per rank. None: no such node."""
     by_node: dict[str, list[int]] = {}
     for rank, (node, _) in enumerate(live_ranks):
