@@ -378,7 +378,7 @@ def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCost
 
 def test_zero1_sync_adds_the_owners_broadcasts(costs: ModelCosts) -> None:
     """Tessera's ZeRO-1 all-reduces gradients whole, then broadcasts every parameter piece from its
-    owner: an all-gather's volume plus one collective's latency per parameter tensor."""
+    owner: over NCCL an all-gather's volume plus one collective's latency per parameter tensor."""
     from tessera.planner.layout import grad_sync_s
 
     cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A10", "count": 4}]}]})
@@ -388,6 +388,59 @@ def test_zero1_sync_adds_the_owners_broadcasts(costs: ModelCosts) -> None:
     assert tensors == 3 + 9 * n  # embedding, final norm, head; nine per Llama block
     extra = link.all_reduce_s(4 * costs.stage_params(0, n), 4) / 2 + tensors * link.latency_us * 1e-6
     assert grad_sync_s(zero1, costs, 0) == pytest.approx(grad_sync_s(plain, costs, 0) + extra, rel=1e-12)
+
+
+def test_gloo_broadcast_tree_is_binomial_from_the_root() -> None:
+    """gloo's broadcast (gloo/broadcast.cc): round i, virtual ranks below 2^i send 2^i up; every rank but
+    the root receives once, and forwards only what it has received."""
+    from tessera.planner.layout import gloo_broadcast_tree
+
+    assert gloo_broadcast_tree(4, 0) == [(0, 1), (0, 2), (1, 3)]
+    assert gloo_broadcast_tree(4, 2) == [(2, 3), (2, 0), (3, 1)]
+    for n in (1, 2, 3, 5, 8, 13):
+        for root in range(n):
+            have = {root}
+            for src, dst in gloo_broadcast_tree(n, root):
+                assert src in have and dst not in have
+                have.add(dst)
+            assert have == set(range(n))
+
+
+def _slow_pair_cluster(fast_gbs: float, slow_gbs: float) -> Cluster:
+    """Nodes a (two A10s), b and c (one each): every pair of nodes joined at ``fast_gbs``, b–c at ``slow_gbs``."""
+    return Cluster.from_dict(
+        {
+            "nodes": [{"name": "a", "devices": [{"type": "A10", "count": 2}]},
+                      {"name": "b", "devices": [{"type": "A10", "count": 1}]},
+                      {"name": "c", "devices": [{"type": "A10", "count": 1}]}],
+            "links": {"inter_node": {"bandwidth_gbs": fast_gbs, "latency_us": 1},
+                      "between": [{"nodes": ["b", "c"], "bandwidth_gbs": slow_gbs, "latency_us": 1}]},
+        }
+    )  # fmt: skip
+
+
+def test_zero1_on_gloo_prices_each_owners_tree_not_a_ring(costs: ModelCosts) -> None:
+    """On gloo an owner's broadcast is a binomial tree, owners in turn: with ranks a, a, b, c and one slow
+    b–c link, only owner b's tree sends its piece over b–c (once), owner c sends twice over c–a, the others
+    once over fast links. A ring all-gather would cross b–c with ¾ of everything. Both predictors
+    (the simulator relays chunks, so a forwarded piece ends a little later)."""
+    from tessera.planner.layout import grad_sync_s
+
+    fast, slow = 1.0, 0.1
+    layouts = {z: _on_gloo(layout_from_plan(Hybrid(zero=z), _slow_pair_cluster(fast, slow), costs, 8)) for z in (0, 1)}
+    assert layouts[1].dp_groups == (("a", "a", "b", "c"),)
+    grads = 4 * costs.stage_params(0, costs.n_layers)
+    piece = grads / 4
+    tree = piece * (1 / fast + 1 / fast + 1 / slow + 2 / fast) / 1e9  # owners a, a, b, c
+    latency = costs.stage_tensors(0, costs.n_layers) * 1e-6
+    extra = grad_sync_s(layouts[1], costs, 0) - grad_sync_s(layouts[0], costs, 0)
+    assert extra == pytest.approx(tree + latency, rel=1e-9)
+    assert extra < 0.5 * (0.75 * grads / (slow * 1e9))  # the ring's all-gather
+
+    params, bandwidth = costs.stage_params(0, costs.n_layers), layouts[0].replicas[0].units[0].bandwidth_gbs * 1e9
+    optimizers = 16 * params / bandwidth - 16 * params / 4 / bandwidth  # ZeRO-0's step minus ZeRO-1's
+    broadcasts = simulate(layouts[1], costs).step_s - simulate(layouts[0], costs).step_s + optimizers
+    assert broadcasts == pytest.approx(tree, rel=0.1)
 
 
 def test_fsdp_collectives_per_unit_and_micro_batch_without_a_pipeline(costs: ModelCosts) -> None:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -69,6 +70,9 @@ class Layout:
     # nodes: known for a layout built from a Plan, so the simulator sees which transfers share a link.
     nodes: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
     node_links: tuple[tuple[str, str, Link], ...] = field(default=(), compare=False)
+    # Per stage, the node of each data-parallel rank in group order (known to the search too, which folds
+    # alike replicas): where ZeRO-1's broadcasts from each owner go (see owner_broadcasts_s).
+    dp_groups: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
 
     @property
     def global_batch(self) -> int:
@@ -180,10 +184,64 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
         calls = end - first + 1 if layout.tp > 1 else math.ceil(grad_bytes / BUCKET_BYTES)
     seconds = link.all_reduce_s(grad_bytes, dp, calls)
     if layout.zero == 1:
-        # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces:
-        # an all-gather's volume, and a collective's latency per parameter tensor.
-        seconds += link.all_reduce_s(grad_bytes, dp) / 2 + costs.stage_tensors(first, end) * link.latency_us * 1e-6
+        # The gradients are all-reduced whole (DDP); after the step each owner broadcasts its pieces, one
+        # collective (and one latency) per parameter tensor.
+        seconds += owner_broadcasts_s(layout, stage, grad_bytes)
+        seconds += costs.stage_tensors(first, end) * link.latency_us * 1e-6
     return seconds
+
+
+MAX_TREE_RANKS = 64  # beyond this the gloo tree is not walked (n² sends per stage): priced as a chain
+
+
+def owner_broadcasts_s(layout: Layout, stage: int, grad_bytes: float) -> float:
+    """Bytes' time of ZeRO-1's gather: every data-parallel rank broadcasts its 1/dp of ``grad_bytes``.
+
+    On gloo a broadcast walks a binomial tree (:func:`gloo_broadcast_tree`) and the owners go in turn
+    (Tessera issues their pieces in parameter order); with many pieces in flight an owner's turn takes
+    as long as its busiest node pair needs to carry what the tree sends over it. On a testbed whose b–c
+    pair is the one slow link, that is 0.6 of a ring all-gather's time (measured: benchmarks/gloo_broadcast.py).
+    Elsewhere (NCCL's pipelined ring broadcast, or nodes not known) a broadcast moves the piece once over the
+    group's slowest link: an all-gather's volume.
+    """
+    link, dp = layout.dp_links[stage], layout.dp
+    if link.backend == "gloo" and len(layout.dp_groups) > stage and 1 < dp <= MAX_TREE_RANKS:
+        return grad_bytes / dp * _tree_seconds_per_piece_byte(layout.dp_groups[stage], layout.node_links)
+    return link.all_reduce_s(grad_bytes, dp) / 2
+
+
+def gloo_broadcast_tree(n: int, root: int) -> list[tuple[int, int]]:
+    """The sends of one gloo broadcast over ``n`` ranks from ``root``, as (sender, receiver), in the order they
+    can happen: gloo numbers ranks from the root (virtual rank (r − root) mod n) and in round i every virtual
+    rank below 2^i sends to the one 2^i above it (gloo/broadcast.cc). The root sends in every round without
+    waiting; a receiver forwards once its round's buffer is in."""
+    sends = []
+    for i in range(max(n - 1, 0).bit_length()):
+        for v in range(1 << i):
+            if v + (1 << i) < n:
+                sends.append(((v + root) % n, (v + (1 << i) + root) % n))
+    return sends
+
+
+def gloo_owner_turns_s(
+    members: tuple[str, ...], node_links: tuple[tuple[str, str, Link], ...], piece_bytes: float
+) -> list[float]:
+    """Each owner's turn at broadcasting ``piece_bytes`` to a group whose ranks sit on ``members`` (node names):
+    what its tree sends over its busiest directed node pair, at that pair's bandwidth."""
+    links = {frozenset((a, b)): link for a, b, link in node_links}
+    turns = []
+    for root in range(len(members)):
+        load: dict[tuple[str, str], int] = {}
+        for src, dst in gloo_broadcast_tree(len(members), root):
+            hop = (members[src], members[dst])
+            load[hop] = load.get(hop, 0) + 1
+        turns.append(max(n * piece_bytes / (links[frozenset(hop)].bandwidth_gbs * 1e9) for hop, n in load.items()))
+    return turns
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_seconds_per_piece_byte(members: tuple[str, ...], node_links: tuple[tuple[str, str, Link], ...]) -> float:
+    return sum(gloo_owner_turns_s(members, node_links, 1.0))
 
 
 def optimizer_s(layout: Layout, costs: ModelCosts, stage: int, unit: UnitSpec) -> float:
@@ -237,12 +295,17 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         cluster.worst_link({devices[order[plan.rank_at(RankCoords(pp=s, dp=r))]][0] for r in range(plan.dp)})
         for s in range(plan.pp)
     )
-    used = sorted({node for nodes in placed for node in nodes})
-    node_links = tuple((a, b, cluster.link(a, b)) for i, a in enumerate(used) for b in used[i:])
     return Layout(
         plan.pp, plan.dp, plan.tp, ranges, m, plan.pipeline.schedule, plan.zero, plan.offload, plan.recompute,
-        tuple(replicas), dp_links, tuple(placed), node_links,
+        tuple(replicas), dp_links, tuple(placed), links_among(cluster, placed),
+        tuple(tuple(nodes[s] for nodes in placed) for s in range(plan.pp)),
     )  # fmt: skip
+
+
+def links_among(cluster: Cluster, nodes: list[tuple[str, ...]] | tuple[tuple[str, ...], ...]) -> tuple:
+    """Every pair of the named nodes (each with itself too: its intra-node link) with its link."""
+    used = sorted({node for row in nodes for node in row})
+    return tuple((a, b, cluster.link(a, b)) for i, a in enumerate(used) for b in used[i:])
 
 
 def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:

@@ -46,12 +46,14 @@ from tessera.plan import PipelineSpec, Plan, grid_order
 from tessera.planner.costmodel import INFEASIBLE, Estimate, device_memory, estimate, fits, stage_finish_s, step_time
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
+    MAX_TREE_RANKS,
     Layout,
     MixedLayout,
     OpTimes,
     ReplicaSpec,
     UnitSpec,
     grad_sync_s,
+    links_among,
     op_times,
     optimizer_s,
 )
@@ -96,6 +98,8 @@ class _Placed:
     kinds: tuple[tuple[tuple[UnitSpec, ...], tuple[Link, ...], tuple[int, ...]], ...]  # (units, p2p, replicas)
     dp_links: tuple[Link, ...]
     kind_of: tuple[int, ...]  # each replica's kind
+    dp_groups: tuple[tuple[str, ...], ...] = ()  # per stage, each dp rank's node: for gloo's ZeRO-1 broadcasts
+    node_links: tuple = ()  # the links among those nodes
 
     @classmethod
     def of(cls, cluster: Cluster, label: str, grid: Grid) -> _Placed:
@@ -110,7 +114,11 @@ class _Placed:
         for k, replicas in enumerate(kinds.values()):
             for r in replicas:
                 kind_of[r] = k
-        return cls(label, grid, tuple((*k, tuple(rs)) for k, rs in kinds.items()), dp_links, tuple(kind_of))
+        groups: tuple[tuple[str, ...], ...] = ()
+        if any(link.backend == "gloo" for link in dp_links) and dp <= MAX_TREE_RANKS:  # CPU clusters: small
+            groups = tuple(tuple(u.node for u in row) for row in grid)
+        kinds_ = tuple((*k, tuple(rs)) for k, rs in kinds.items())
+        return cls(label, grid, kinds_, dp_links, tuple(kind_of), groups, links_among(cluster, groups))
 
 
 class _Evaluator:
@@ -121,7 +129,7 @@ class _Evaluator:
         self.costs, self.placed = costs, placed
         self.base = Layout(
             pp, dp, tp, stages, m, "1f1b" if m >= pp else "gpipe", options.zero, options.offload, options.recompute,
-            (), placed.dp_links,
+            (), placed.dp_links, node_links=placed.node_links, dp_groups=placed.dp_groups,
         )  # fmt: skip
         self.sync = [grad_sync_s(self.base, costs, s) for s in range(pp)]  # waits for the slowest replica
         self._cache: dict[tuple[int, int], float] = {}

@@ -15,7 +15,8 @@ of what the runtime does, op by op:
   ``BUCKET_BYTES`` in reverse parameter order; a bucket's all-reduce starts, on a
   communication stream, as soon as the last micro-batch's backward has produced all its
   gradients, so it overlaps the rest of the backward. ZeRO-1 then broadcasts every parameter
-  piece from its owner after the optimizer step, one collective per tensor.
+  piece from its owner after the optimizer step, one collective per tensor: on gloo each send of
+  its binomial tree is a flow of its own, owner after owner; elsewhere one pipelined chain.
 - **FSDP** (ZeRO-2/3) unit by unit (each block, and the root holding embedding and head): the
   forward gathers each unit (in the compute precision) before its compute with one unit
   prefetched; ZeRO-3 gathers again in backward; the last micro-batch reduce-scatters each unit
@@ -54,9 +55,10 @@ from dataclasses import dataclass, field, replace
 
 from tessera.parallel.data_parallel import BUCKET_BYTES
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import HOST_BANDWIDTH_GBS, HOST_LINK, Layout, MixedLayout
+from tessera.planner.layout import HOST_BANDWIDTH_GBS, HOST_LINK, Layout, MixedLayout, gloo_broadcast_tree
 
 GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute precision
+BROADCAST_CHUNKS = 4  # a ZeRO-1 owner's pieces, as the simulator moves them down gloo's tree
 
 
 @dataclass(frozen=True)
@@ -497,9 +499,36 @@ class _Step:
                 steps.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds, label=label))
             if layout.zero == 1 and layout.dp > 1:
                 tensors = self.costs.stage_tensors(*layout.stages[s])
+                if layout.dp_links[s].backend == "gloo" and len(layout.dp_groups) > s:
+                    self._tree_broadcasts(s, GRAD_BYTES * params, steps, tensors)
+                    continue
                 for r, step in enumerate(steps):
                     self.collective(("broadcast", s), "broadcast", s, GRAD_BYTES * params, [step], calls=tensors,
                                     member=r)  # fmt: skip
+
+    def _tree_broadcasts(self, s: int, nbytes: float, steps: list[int], tensors: int) -> None:
+        """gloo's ZeRO-1 gather, send by send: the owners in turn, each broadcasting its 1/dp of ``nbytes`` down
+        gloo's binomial tree in ``BROADCAST_CHUNKS`` chunks (its pieces are many broadcasts), so a rank that
+        forwards sends one chunk while the next arrives. Every send is a flow on its directed node pair."""
+        layout, n = self.layout, self.layout.dp
+        members, chunks = layout.dp_groups[s], min(BROADCAST_CHUNKS, max(1, tensors // n))
+        calls = max(1, tensors // n) / chunks  # broadcasts per chunk: one latency each
+        before = list(steps)  # a broadcast is a collective: every owner has stepped
+        for root in range(n):
+            sent = []
+            for _ in range(chunks):
+                arrived: dict[int, int] = {}
+                for src, dst in gloo_broadcast_tree(n, root):
+                    hop = (members[src], members[dst])
+                    link = layout.link_between(*hop)
+                    task = self.e.add(
+                        (("broadcast", self.offset, s, src, dst),), [*before, arrived.get(src)],
+                        volume=nbytes / n / chunks, latency=calls * link.latency_us * 1e-6,
+                        channels=(self.e.channel(hop, link.bandwidth_gbs),), comm="data parallel",
+                    )  # fmt: skip
+                    arrived[dst] = task
+                    sent.append(task)
+            before = sent
 
 
 # ------------------------------------------------------------------ the result
