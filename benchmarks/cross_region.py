@@ -27,6 +27,11 @@ the same computation, so the same losses, for runs too long for the 20 Mbit/s li
 2.7 s a step there); its bytes never touch a wire and its seconds say nothing about the link.
 
     python benchmarks/cross_region.py --loopback --steps 2000 --layouts flat "DiLoCo H=50" --json out.json
+
+``--warm-start W`` starts every layout from a synchronous run's step W, as the DiLoCo paper starts its
+replicas from a pretrained model: per seed, flat DDP trains the first W of ``W + steps`` steps (the
+schedule of the whole run) and checkpoints; each layout resumes a copy of it (a checkpoint of one
+model starts every group) for ``--steps`` more, and its bytes and seconds count those steps only.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -123,22 +129,31 @@ def config(
 
 
 def run(
-    work: Path, cluster: Path | None, layout: str, steps: int, seed: int, train_bytes: int = TRAIN_BYTES
-) -> dict[str, float]:
-    """One `tessera train --testbed` run (loopback when ``cluster`` is None) and its figures."""
+    work: Path, cluster: Path | None, layout: str, steps: int, seed: int, train_bytes: int = TRAIN_BYTES,
+    warm: int = 0,
+) -> dict[str, float]:  # fmt: skip
+    """One `tessera train --testbed` run (loopback when ``cluster`` is None) and its figures. ``warm`` > 0:
+    the run continues the seed's synchronous warm-up (:func:`warm_up`) from its step ``warm`` for ``steps``
+    more; its figures count those steps only."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{layout}-s{seed}")
     cfg_file = work / f"{name}.yaml"
     lr = LR * INNER_LR.get(layout, 1.0)
-    cfg_file.write_text(yaml.safe_dump(config(work / "runs", name, LAYOUTS[layout], steps, seed, train_bytes, lr)))
+    cfg = config(work / "runs", name, LAYOUTS[layout], warm + steps, seed, train_bytes, lr)
+    again = ["--overwrite"]
+    if warm:  # a copy of the warm-up's run directory, continued under this layout
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)
+        shutil.copytree(work / "runs" / f"warm-up-s{seed}", work / "runs" / name)
+        again = ["--resume"]
+    cfg_file.write_text(yaml.safe_dump(cfg))
     started = time.perf_counter()
     testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
-    out = tessera("train", str(cfg_file), "--nproc", "4", *testbed, "--overwrite")
+    out = tessera("train", str(cfg_file), "--nproc", "4", *testbed, *again)
     run_s = time.perf_counter() - started
     records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "step" in r and "event" not in r]
+    records = [r for r in records if "step" in r and "event" not in r and r["step"] > warm]
     across = [r["comm_bytes_per_step"]["inter_node"] + r["comm_bytes_per_step"]["across_groups"] for r in records]
     wire = sum(int(n.replace(",", "")) for n in re.findall(r"link region-\S+ -> region-\S+: ([\d,]+) bytes", out))
-    checkpoint = work / "runs" / name / "checkpoints" / f"step_{steps:08d}"
+    checkpoint = work / "runs" / name / "checkpoints" / f"step_{warm + steps:08d}"
     losses = json.loads(_merge(checkpoint, work / f"{name}-merge.json"))["held_out_loss"]
     return {
         "held_out_loss": losses["average"],
@@ -149,6 +164,17 @@ def run(
         "run_s": run_s,
         "final_train_loss": records[-1]["loss"],
     }
+
+
+def warm_up(work: Path, cluster: Path | None, warm: int, steps: int, seed: int, train_bytes: int) -> None:
+    """Flat DDP over all four ranks for the first ``warm`` of ``warm + steps`` steps (the schedule of the whole
+    run), checkpointed there: every layout of the seed continues from it (DiLoCo starts from a trained model)."""
+    name = f"warm-up-s{seed}"
+    cfg = config(work / "runs", name, LAYOUTS["flat"], warm + steps, seed, train_bytes)
+    cfg["train"]["stop_at"] = warm
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
+    tessera("train", str(work / f"{name}.yaml"), "--nproc", "4", *testbed, "--overwrite")
 
 
 def _merge(checkpoint: Path, out: Path) -> str:
@@ -239,6 +265,10 @@ def main() -> None:
         "--train-bytes", type=int, default=TRAIN_BYTES, help="text read for training; the held-out text follows"
     )
     ap.add_argument(
+        "--warm-start", type=int, default=0, metavar="STEPS",
+        help="every layout continues a flat run's first STEPS steps (the same per seed) for --steps more",
+    )  # fmt: skip
+    ap.add_argument(
         "--add-to", type=Path, metavar="JSON", help="an earlier run's --json: its runs join these (flat's too)"
     )
     ap.add_argument(
@@ -255,8 +285,10 @@ def main() -> None:
         cluster.write_text(yaml.safe_dump(cluster_spec()))
     runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in args.layouts}
     for seed in args.seeds:
+        if args.warm_start:
+            warm_up(work, cluster, args.warm_start, args.steps, seed, args.train_bytes)
         for layout in args.layouts:
-            result = run(work, cluster, layout, args.steps, seed, args.train_bytes)
+            result = run(work, cluster, layout, args.steps, seed, args.train_bytes, args.warm_start)
             runs[layout].append(result)
             print(f"seed {seed} {layout}: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()), flush=True)
     if args.add_to:  # earlier layouts (and their work folder, for the sync check) join this run's
@@ -281,7 +313,7 @@ def main() -> None:
     if args.json:
         meta = {"link_mbit": None if args.loopback else LINK_MBIT, "cpus": None if args.loopback else CPUS,
                 "steps": args.steps, "seeds": args.seeds, "fragments": FRAGMENTS,
-                "train_bytes": args.train_bytes}  # fmt: skip
+                "train_bytes": args.train_bytes, "warm_start": args.warm_start}  # fmt: skip
         args.json.write_text(
             json.dumps({"setup": meta, "layouts": table, "sync_check": checks, "work": str(work)}, indent=1)
         )

@@ -18,6 +18,9 @@ Under ``Plan.groups`` with an outer sync (diloco, streaming, none) each group's 
 syncs, so each group writes its own DCP folder, ``group_<g>/``, holding also its outer state
 (``"outer"``: agreed weights, outer momentum, error feedback, a transfer in flight; see
 :meth:`~tessera.parallel.outer.OuterSync.state_dict`); meta.json's ``groups`` says how many.
+A checkpoint of one model resumes under such groups too (a warm start, as DiLoCo starts from a
+pretrained model): every group reads the same weights and optimizer state, and the outer sync
+starts there, its agreed weights those, with no outer momentum yet.
 
 Checkpoints hold only data: every file is read through :mod:`tessera.checkpoint_readers` (tensors,
 numbers, strings, containers and DCP's metadata records), so a crafted file cannot run code on
@@ -256,7 +259,8 @@ def _read_metadata(path: Path) -> Any:
 
 
 def _check_same_groups(path: Path, saved: int | None, optimizer: Any) -> None:
-    """Refuse a checkpoint of Plan.groups under a Plan with other groups, or none: each group's weights differ."""
+    """Refuse a checkpoint of Plan.groups under a Plan with other groups, or none: each group's weights differ.
+    (A checkpoint of one model is not checked here: it starts every group, see :func:`load_checkpoint`.)"""
     outer = _outer(optimizer)
     mine = outer.spec.count if outer is not None else None
     if saved == mine:
@@ -265,12 +269,6 @@ def _check_same_groups(path: Path, saved: int | None, optimizer: Any) -> None:
         raise CheckpointError(
             f"checkpoint '{path}' holds {saved} groups' weights (Plan.groups with an outer sync), which differ "
             f"between outer syncs: resume it with plan.groups.count={saved}."
-        )
-    if saved is None:
-        raise CheckpointError(
-            f"checkpoint '{path}' holds one model, and this Plan's {mine} groups each keep their own weights and "
-            "outer state: resume it without plan.groups (or with sync: every_step); starting groups from one "
-            "model is not supported yet."
         )
     raise CheckpointError(
         f"checkpoint '{path}' holds {saved} groups' weights and this Plan has {mine}: use plan.groups.count={saved}."
@@ -317,11 +315,18 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     """Load model and optimizer state (any layout) from ``path``; return the trainer state."""
     path = Path(path)
     meta = read_meta(path)
-    _check_same_groups(path, meta.get("groups"), optimizer)
+    outer = _outer(optimizer)
+    warm_start = meta.get("groups") is None and outer is not None  # one model: every group starts from it
+    if not warm_start:
+        _check_same_groups(path, meta.get("groups"), optimizer)
     folder, members = _dcp_folder(path, optimizer)
+    if warm_start:
+        folder = path
     metadata = _read_metadata(folder)
     outer_keys = {k.removeprefix("outer.") for k in metadata.state_dict_metadata if k.startswith("outer.")}
     layout = _state_dicts(model, optimizer, outer_keys)
+    if warm_start:
+        del layout["outer"]
     _check_same_model(folder, metadata, layout["model"])
     trainer_state = read_data(path / "trainer.pt")  # small and checked first: an unsafe file stops everything
     state = _to_storable(layout)
@@ -344,7 +349,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         inner.load_full_state_dict(state["optim"], _param_names(model))
     else:
         set_optimizer_state_dict(model, inner, state["optim"])
-    if (outer := _outer(optimizer)) is not None:
+    if warm_start:
+        outer.start_here(trainer_state["step"])
+    elif outer is not None:
         outer.load_state_dict(state["outer"])
     same_world = meta["world_size"] == dist.get_world_size()
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"

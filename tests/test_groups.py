@@ -195,14 +195,11 @@ def refusals(root: str) -> list[str]:
     """Resume ``tessera train`` runs under other groups: the errors, one per try."""
     from tessera.checkpoint_readers import CheckpointError
 
-    grouped, plain = Path(root) / "grouped", Path(root) / "plain"
-    train_each(
-        [tiny_config(grouped, 1, 0, TRAIN_PLANS["diloco ddp int8"]), tiny_config(plain, 1, 0, {"preset": "ddp"})]
-    )
+    grouped = Path(root) / "grouped"
+    train_each([tiny_config(grouped, 1, 0, TRAIN_PLANS["diloco ddp int8"])])
     tries = [
         tiny_config(grouped, 2, 0, {"preset": "ddp"}),
         tiny_config(grouped, 2, 0, {"preset": "ddp", "groups": {**DILOCO, "count": 4}}),
-        tiny_config(plain, 2, 0, TRAIN_PLANS["diloco ddp int8"]),
     ]
     out = []
     for config in tries:
@@ -212,6 +209,27 @@ def refusals(root: str) -> list[str]:
         except CheckpointError as exc:
             out.append(str(exc))
     return out
+
+
+# A warm start: a plain DDP run stopped at step 2 resumes under groups. (a) DiLoCo that reduces to
+# synchronous SGD (H = 1, inner SGD, outer lr 1, no momentum) continues exactly as the plain run does;
+# (b) with H = 2 the outer loop's agreed weights at step 3 (no sync since the start) are step 2's weights.
+WARM_SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": None}
+AS_SYNC_SGD = {**DILOCO, "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
+
+
+def warm_start(root: str) -> list[dict]:
+    def sgd(config: dict) -> dict:
+        return {**config, "optimizer": WARM_SGD}
+
+    plain, base = {"preset": "ddp"}, Path(root)
+    return train_each([
+        sgd(tiny_config(base / "straight", 4, 0, plain)),
+        sgd(tiny_config(base / "as-sync", 4, 0, plain, stop_at=2)),
+        sgd(tiny_config(base / "as-sync", 4, 0, {"preset": "ddp", "groups": AS_SYNC_SGD})),
+        tiny_config(base / "anchor", 3, 0, plain, stop_at=2),
+        tiny_config(base / "anchor", 3, 0, {"preset": "ddp", "groups": DILOCO}),
+    ])  # fmt: skip
 
 
 def refused_fragments() -> str:
@@ -229,7 +247,7 @@ def refused_fragments() -> str:
 
 @pytest.fixture(scope="module")
 def train_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in [*TRAIN_PLANS, "refusals"]}
+    return {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in [*TRAIN_PLANS, "refusals", "warm"]}
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +257,7 @@ def runs(train_roots: dict[str, Path]) -> dict[str, list]:
         {f"train {name}": (train_stop_resume, (str(train_roots[name]), plan)) for name, plan in TRAIN_PLANS.items()}
     )
     calls["refusals"] = (refusals, (str(train_roots["refusals"]),))
+    calls["warm"] = (warm_start, (str(train_roots["warm"]),))
     calls["fragments"] = (refused_fragments, ())
     return run_shared(4, calls)
 
@@ -457,10 +476,31 @@ def test_tessera_train_with_groups_resumes_bit_for_bit_between_outer_syncs(
 
 
 def test_group_checkpoints_refuse_other_groups(runs: dict) -> None:
-    to_plain, to_four, from_plain = runs["refusals"][0]
+    to_plain, to_four = runs["refusals"][0]
     assert "holds 2 groups' weights" in to_plain and "plan.groups.count=2" in to_plain
     assert "this Plan has 4: use plan.groups.count=2" in to_four
-    assert "holds one model" in from_plain and "without plan.groups" in from_plain
+
+
+def test_groups_start_from_a_checkpoint_of_one_model(runs: dict, train_roots: dict, tmp_path: Path) -> None:
+    """A warm start (DiLoCo starts from a pretrained model): a plain run's step-2 checkpoint resumes under
+    groups. Where DiLoCo reduces to synchronous SGD it ends where the plain run does; with H = 2 the outer
+    loop's agreed weights, one step later and before any sync, are the checkpoint's weights in every group
+    (a stale anchor, the weights built before the load, would make the first sync undo the warm start)."""
+    straight, _, as_sync, _, anchored = runs["warm"][0]
+    assert as_sync["resumed_from"].endswith(f"step_{2:08d}") and anchored["resumed_from"].endswith(f"step_{2:08d}")
+    assert as_sync["last_loss"] == pytest.approx(straight["last_loss"], rel=1e-5)
+    root = train_roots["warm"]
+    want = checkpoint_tensors(ckpt(root / "straight", 4), tmp_path, prefixes=("model.",))
+    start = checkpoint_tensors(ckpt(root / "anchor", 2), tmp_path, prefixes=("model.",))
+    for group in range(GROUPS):
+        got = _group_tensors(root / "as-sync", 4, group, tmp_path)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        outer = _group_tensors(root / "anchor", 3, group, tmp_path)
+        assert not any(k.startswith("outer.momentum") for k in outer)
+        for key, value in start.items():
+            assert torch.equal(outer[key.replace("model.", "outer.agreed.", 1)], value), key
+            assert not torch.equal(outer[key], value) or "norm" in key  # the group trained on after the start
 
 
 def test_tessera_merge_judges_each_island_and_their_average_on_held_out_text(runs: dict, train_roots: dict) -> None:

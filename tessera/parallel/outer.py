@@ -324,6 +324,20 @@ class OuterSync:
             fragment.sent = [v.clone() for v in saved.get("sent", [])]
             fragment.work, fragment.gathered, fragment.due = None, None, int(state["due"][f])
 
+    @torch.no_grad()
+    def start_here(self, step: int) -> None:
+        """Start the outer loop from the weights the parameters hold now, at inner step ``step`` (a warm start
+        from a checkpoint of one model): they become the agreed weights, with no outer momentum, error
+        feedback or transfer yet; the syncs keep their turns (fragment f at (f + 1)·H/F, then every H)."""
+        self.step = step
+        for fragment in self.fragments:
+            for agreed, piece in zip(fragment.agreed, fragment.pieces):
+                agreed.copy_(piece)
+            fragment.optimizer.state.clear()
+            fragment.feedback.remainder = None
+            fragment.flat, fragment.part, fragment.work, fragment.gathered, fragment.sent = None, None, None, None, []
+            fragment.due = 0
+
     # ------------------------------------------------------------------ a group coming back
     def heal_state(self) -> dict[str, Any]:
         """What a group coming back takes from this one, rank for rank (same layout, so local pieces): the
