@@ -329,6 +329,34 @@ def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_do
         assert all(torch.equal(split[k], straight[k]) for k in split), f"group {g} differs after stop + resume"
 
 
+def test_fault_tolerant_groups_resumed_in_a_plain_run_start_from_its_checkpoint(tmp_path: Path) -> None:
+    """A warm start: a run trained without groups to step 4, then resumed (`--resume`) with fault-tolerant
+    groups. Each group's job has no checkpoint of its own, so it starts from the run's step 4: stopped at
+    step 6 (before the first sync, at 8), each group's agreed weights are step 4's and its weights moved on."""
+    from test_checkpoint import checkpoint_tensors, tiny_config
+
+    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True}
+    plans = {"plain": ({"preset": "ddp"}, 4), "ft": ({"preset": "ddp", "groups": groups}, 6)}
+    for name, (plan, stop) in plans.items():
+        config = tiny_config(tmp_path / "runs", 8, 0, plan, stop_at=stop)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    for name, more in (("plain", ()), ("ft", ("--resume",))):
+        command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / f"{name}.yaml"), "--nproc", "2", *more]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "t"
+    for g in range(2):
+        assert f"group {g} has no checkpoint of its own: starts from {run / 'checkpoints'}" in proc.stdout + proc.stderr
+    start = checkpoint_tensors(run / "checkpoints" / "step_00000004", tmp_path, prefixes=("model.",))
+    for g in range(2):
+        saved = checkpoint_tensors(
+            run / f"group_{g}" / "checkpoints" / "step_00000006" / f"group_{g}", tmp_path, prefixes=("model.", "outer.")
+        )
+        for key, value in start.items():
+            assert torch.equal(saved[key.replace("model.", "outer.agreed.", 1)], value), f"group {g}: {key}"
+        assert not torch.equal(saved["model.layers.0.attention.wq.weight"], start["model.layers.0.attention.wq.weight"])
+
+
 def _descendants(pid: int) -> dict[int, str]:
     """pid -> command line of every process below ``pid``, read from /proc."""
     parents: dict[int, int] = {}

@@ -145,7 +145,7 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.saving = False  # where() tells a failure inside a save from one inside a step
         self.owner = rundir.claim(cfg.run_dir, cfg.checkpoint.resume, overwrite)
-        self.resumed_from = self._restore() if self.owner.resume else None
+        self.resumed_from = self._restore() if self.owner.resume else self._restore_group_from_its_run()
         self.job_peak = job_peak_tflops(cfg.train.peak_tflops, self.booster.device)  # may refuse: no file yet
         self.flops_per_token = self._flops_per_token()
         self.losses: list[float] = []
@@ -153,9 +153,9 @@ class Trainer:
         self.reported_step = 0
         self.syncs_reported = 0  # outer syncs already in metrics.jsonl (fault-tolerant groups)
 
-    def _restore(self) -> Path | None:
-        """Continue from the newest complete checkpoint, if there is one."""
-        path = latest_checkpoint(self.ckpt_root, self.owner.run_id)
+    def _restore(self, path: Path | None = None) -> Path | None:
+        """Continue from ``path``, or from this run's newest complete checkpoint, if there is one."""
+        path = path or latest_checkpoint(self.ckpt_root, self.owner.run_id)
         if path is None:
             return None
         state = load_checkpoint(path, self.model, self.optimizer)
@@ -166,6 +166,17 @@ class Trainer:
         if self.rank0:
             print(f"resumed from {path} at step {self.step}", flush=True)
         return path
+
+    def _restore_group_from_its_run(self) -> Path | None:
+        """A fault-tolerant group's job asked to resume (``--resume``) with no checkpoint of its own yet: it
+        starts from the newest checkpoint of the run it is a group of (``RUN_DIR``, one model trained
+        before the plan had groups: a warm start), as groups in one job do. None when there is none."""
+        if not (self.booster.fault_tolerant and self.cfg.checkpoint.resume == "auto"):
+            return None
+        path = latest_checkpoint(self.cfg.run_dir.parent / "checkpoints")
+        if path is not None and self.rank0:
+            print(f"group {self.booster.group_index} has no checkpoint of its own: starts from {path}", flush=True)
+        return self._restore(path) if path is not None else None
 
     def _flops_per_token(self) -> float:
         hf_cfg = getattr(data_parallel_unwrap(self.model), "config", None)  # a config-built model knows its sizes
