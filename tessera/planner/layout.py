@@ -191,7 +191,7 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     return seconds
 
 
-MAX_TREE_RANKS = 64  # beyond this the gloo tree is not walked (n² sends per stage): priced as a chain
+MAX_TREE_RANKS = 64  # beyond this the gloo trees are not walked (n² sends per stage): an all-gather's volume
 
 
 def owner_broadcasts_s(layout: Layout, stage: int, grad_bytes: float) -> float:
@@ -199,8 +199,8 @@ def owner_broadcasts_s(layout: Layout, stage: int, grad_bytes: float) -> float:
 
     On gloo a broadcast walks a binomial tree (:func:`gloo_broadcast_tree`) and the owners go in turn
     (Tessera issues their pieces in parameter order); with many pieces in flight an owner's turn takes
-    as long as its busiest node pair needs to carry what the tree sends over it. On a testbed whose b–c
-    pair is the one slow link, that is 0.6 of a ring all-gather's time (measured: benchmarks/gloo_broadcast.py).
+    as long as its busiest node pair needs to carry what the tree sends over it. On the testbed, whose b–c
+    pair is the one slow link, that is two thirds of a ring all-gather's time (benchmarks/gloo_collectives.py).
     Elsewhere (NCCL's pipelined ring broadcast, or nodes not known) a broadcast moves the piece once over the
     group's slowest link: an all-gather's volume.
     """

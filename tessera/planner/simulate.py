@@ -55,7 +55,14 @@ from dataclasses import dataclass, field, replace
 
 from tessera.parallel.data_parallel import BUCKET_BYTES
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import HOST_BANDWIDTH_GBS, HOST_LINK, Layout, MixedLayout, gloo_broadcast_tree
+from tessera.planner.layout import (
+    HOST_BANDWIDTH_GBS,
+    HOST_LINK,
+    MAX_TREE_RANKS,
+    Layout,
+    MixedLayout,
+    gloo_broadcast_tree,
+)
 
 GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute precision
 BROADCAST_CHUNKS = 4  # a ZeRO-1 owner's pieces, as the simulator moves them down gloo's tree
@@ -499,7 +506,7 @@ class _Step:
                 steps.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds, label=label))
             if layout.zero == 1 and layout.dp > 1:
                 tensors = self.costs.stage_tensors(*layout.stages[s])
-                if layout.dp_links[s].backend == "gloo" and len(layout.dp_groups) > s:
+                if layout.dp_links[s].backend == "gloo" and len(layout.dp_groups) > s and layout.dp <= MAX_TREE_RANKS:
                     self._tree_broadcasts(s, GRAD_BYTES * params, steps, tensors)
                     continue
                 for r, step in enumerate(steps):
