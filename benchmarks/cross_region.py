@@ -146,8 +146,7 @@ def run(
         again = ["--resume"]
     cfg_file.write_text(yaml.safe_dump(cfg))
     started = time.perf_counter()
-    testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
-    out = tessera("train", str(cfg_file), "--nproc", "4", *testbed, *again)
+    out = _train(cfg_file, cluster, *again)
     run_s = time.perf_counter() - started
     records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "step" in r and "event" not in r and r["step"] > warm]
@@ -173,8 +172,13 @@ def warm_up(work: Path, cluster: Path | None, warm: int, steps: int, seed: int, 
     cfg = config(work / "runs", name, LAYOUTS["flat"], warm + steps, seed, train_bytes)
     cfg["train"]["stop_at"] = warm
     (work / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    _train(work / f"{name}.yaml", cluster, "--overwrite")
+
+
+def _train(cfg_file: Path, cluster: Path | None, *more: str) -> str:
+    """`tessera train` on the four ranks, on the testbed of ``cluster`` (loopback when None); its output."""
     testbed = ["--testbed", str(cluster), "--testbed-cpus", str(CPUS)] if cluster is not None else []
-    tessera("train", str(work / f"{name}.yaml"), "--nproc", "4", *testbed, "--overwrite")
+    return tessera("train", str(cfg_file), "--nproc", "4", *testbed, *more)
 
 
 def _merge(checkpoint: Path, out: Path) -> str:

@@ -104,6 +104,16 @@ class _Fragment:
         self.due = 0
         self.sent: list[torch.Tensor] = []
 
+    @torch.no_grad()
+    def restart(self, agreed: list[torch.Tensor], due: int) -> None:
+        """Agree on ``agreed`` (one tensor per piece) with no outer momentum, error feedback or transfer in
+        flight; the next transfer is due at inner step ``due``."""
+        for mine, value in zip(self.agreed, agreed):
+            mine.copy_(value)
+        self.optimizer.state.clear()
+        self.feedback.remainder = None
+        self.flat, self.part, self.gathered, self.work, self.sent, self.due = None, None, None, None, [], due
+
 
 class OuterSync:
     """DiLoCo's outer loop over this rank's pieces of ``params`` (by name); ``group``: the ranks holding
@@ -331,12 +341,7 @@ class OuterSync:
         feedback or transfer yet; the syncs keep their turns (fragment f at (f + 1)·H/F, then every H)."""
         self.step = step
         for fragment in self.fragments:
-            for agreed, piece in zip(fragment.agreed, fragment.pieces):
-                agreed.copy_(piece)
-            fragment.optimizer.state.clear()
-            fragment.feedback.remainder = None
-            fragment.flat, fragment.part, fragment.work, fragment.gathered, fragment.sent = None, None, None, None, []
-            fragment.due = 0
+            fragment.restart(fragment.pieces, due=0)
 
     # ------------------------------------------------------------------ a group coming back
     def heal_state(self) -> dict[str, Any]:
@@ -358,15 +363,11 @@ class OuterSync:
         """Continue from a live group's :meth:`heal_state`."""
         self.step = int(state["step"])
         for fragment, saved, due in zip(self.fragments, state["fragments"], state["due"]):
-            for agreed, value in zip(fragment.agreed, saved["agreed"]):
-                agreed.copy_(value)
+            fragment.restart(saved["agreed"], due)
             for piece, value in zip(fragment.pieces, saved["pieces"]):
                 piece.copy_(value)
-            fragment.optimizer.state.clear()
             for agreed, value in zip(fragment.agreed, saved["momentum"] or []):
                 fragment.optimizer.state[agreed]["momentum_buffer"] = value.clone()
-            fragment.feedback.remainder = None
-            fragment.flat, fragment.sent, fragment.work, fragment.gathered, fragment.due = None, [], None, None, due
 
     @staticmethod
     def _split(fragment: _Fragment, flat: torch.Tensor) -> list[torch.Tensor]:
