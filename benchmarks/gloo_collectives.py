@@ -13,7 +13,9 @@ Every figure is a median over ``--reps`` interleaved repetitions.
    (``owner_broadcasts_s``: the tree; and the ring all-gather it replaced).
 2. **FSDP (ZeRO-3) on gloo**: one rank's forward and backward at 8 samples with FSDP2, the same
    model unsharded (compute alone, per rank), and FSDP's collectives alone (one all-gather and one
-   reduce-scatter per unit, back to back), to show how much of them a step hides.
+   reduce-scatter per unit), back to back and each after the links idled ``IDLE_S`` (as a unit's
+   compute idles them in a step): a shaped link's token bucket refills while it idles and passes its
+   depth at once, which back-to-back collectives never see.
 
     sudo python benchmarks/gloo_collectives.py [--reps 5] [--json docs/gloo_collectives.json]
 """
@@ -37,6 +39,7 @@ from testbed_cluster import SEQ, cluster_spec, config  # noqa: E402
 
 RESULT_ENV = "GLOO_COLLECTIVES_RESULT"
 FSDP_SAMPLES = 8  # per rank, as ZeRO-3 ×4 takes them in benchmarks/testbed_predictions.py
+IDLE_S = 0.05  # before each collective "after idle": longer than the slow link's bucket takes to refill
 
 
 def demo_model():
@@ -123,7 +126,20 @@ def fsdp_part(reps: int) -> dict:
     shard, full, grads, out = (torch.ones(per_unit // world), torch.empty(per_unit), torch.ones(per_unit),
                                torch.empty(per_unit // world))  # fmt: skip
     figures: dict[str, list[float]] = {k: [] for k in ("fsdp forward", "fsdp backward", "plain forward",
-                                                       "plain backward", "gathers", "reduce-scatters")}  # fmt: skip
+                                                       "plain backward", "gathers", "reduce-scatters",
+                                                       "gathers after idle", "reduce-scatters after idle")}  # fmt: skip
+
+    def after_idle(run) -> float:
+        """Seconds ``run`` took, summed over the units, each started once every link idled ``IDLE_S``."""
+        dist.barrier()
+        total = 0.0
+        for _ in range(units):
+            time.sleep(IDLE_S)
+            start = time.perf_counter()
+            run()
+            total += time.perf_counter() - start
+        return total
+
     for rep in range(reps + 1):  # the first is a warm-up
         got = {}
         for name, net in (("fsdp", sharded), ("plain", plain)):
@@ -136,6 +152,8 @@ def fsdp_part(reps: int) -> dict:
             got[f"{name} forward"], got[f"{name} backward"] = middle - start, end - middle
         got["gathers"] = timed(lambda: [dist.all_gather_into_tensor(full, shard) for _ in range(units)], 1)
         got["reduce-scatters"] = timed(lambda: [dist.reduce_scatter_tensor(out, grads) for _ in range(units)], 1)
+        got["gathers after idle"] = after_idle(lambda: dist.all_gather_into_tensor(full, shard))
+        got["reduce-scatters after idle"] = after_idle(lambda: dist.reduce_scatter_tensor(out, grads))
         if rep:
             for k, v in got.items():
                 figures[k].append(v)

@@ -55,6 +55,11 @@ def test_links_follow_nodes_and_regions() -> None:
     assert cluster.link("a", "c").bandwidth_gbs == 0.5 and cluster.link("c", "b").latency_us == 80000
     assert cluster.device_type("c").peak("bf16") == 200.0
     assert cluster.link("a", "c").seconds(1e9) == pytest.approx(0.08 + 2.0)
+    # a shaped link's burst: read, written back, and what it saves a transfer that starts on it idle
+    shaped = Cluster.from_dict({**one_node(), "links": {"inter_node": {"bandwidth_gbs": 1, "burst_bytes": 65536}}})
+    assert Cluster.from_dict(shaped.to_dict()).links["inter_node"].burst_bytes == 65536
+    assert shaped.links["inter_node"].burst_s(1e6) == pytest.approx(65536e-9)
+    assert shaped.links["inter_node"].burst_s(1e3) == pytest.approx(1e-6) and "burst" not in str(cluster.to_dict())
 
 
 def test_file_figures_override_the_catalogue_field_by_field() -> None:
@@ -80,6 +85,11 @@ def test_file_figures_override_the_catalogue_field_by_field() -> None:
             "links.between[0] links to node 'b', which the file does not define",
         ),
         ({**one_node(), "links": {"inter_node": {"bandwidth_gbs": -1}}}, "links.inter_node.bandwidth_gbs"),
+        (
+            {**one_node(), "links": {"inter_node": {"bandwidth_gbs": 1, "burst_bytes": -5}}},
+            "links.inter_node.burst_bytes must be a non-negative number",
+        ),
+        ({**one_node(), "links": {"inter_node": {"bandwidth_gbs": 1, "burst": 5}}}, "unknown field 'burst'"),
         ({"nodes": [one_node()["nodes"][0], one_node()["nodes"][0]]}, "node 'a': the name is used twice"),
         ({"nodes": [{"name": "a", "device": []}]}, "unknown field 'device' (did you mean \"devices\"?)"),
         ({"nodes": []}, "'nodes' must be a non-empty list"),

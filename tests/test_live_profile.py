@@ -16,6 +16,7 @@ from tessera.planner.live_profile import (
     LinkMeasurement,
     LiveProfile,
     RankMeasurement,
+    burst_from_push,
     measured_cluster,
     measured_costs,
     relative_speeds,
@@ -73,16 +74,17 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     assert slow.memory_gib == 4 and slow.bandwidth_gbs == 2.0  # capacity declared, speed measured
     assert slow.host_bandwidth_gbs == 2.0  # a CPU rank is its own host: offloading to it gains nothing
     assert cluster.device_type("a").bandwidth_gbs == pytest.approx(7.0)  # median optimizer speed of a's ranks
-    # between nodes: the pair's latency, and at most the all-reduce's bandwidth (a ring is paced by its slowest)
-    assert cluster.link("a", "b").bandwidth_gbs == 0.003 and cluster.link("a", "b").latency_us == 300.0
+    # between nodes: the pair's send bandwidth, latency and burst; neither the pair's all-reduce nor the
+    # world's bounds it (rings of four crossed the testbed's slow pair at its send rate)
+    assert cluster.link("a", "b").bandwidth_gbs == 0.004 and cluster.link("a", "b").latency_us == 300.0
     assert cluster.link("a", "a").bandwidth_gbs == 1.5
-    # a pair's own all-reduce bounds its link, not the world's (which one slow link drags down for all)
     timed = [
-        replace(live.links[0], bandwidth_gbs=0.05, all_reduce_gbs=0.02),
+        replace(live.links[0], bandwidth_gbs=0.05, all_reduce_gbs=0.02, burst_bytes=65536.0),
         replace(live.links[1], all_reduce_gbs=0.9),
     ]
     paired = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, links=timed))
-    assert paired.link("a", "b").bandwidth_gbs == 0.02 and paired.link("a", "a").bandwidth_gbs == 0.9
+    assert paired.link("a", "b").bandwidth_gbs == 0.05 and paired.link("a", "a").bandwidth_gbs == 1.5
+    assert paired.link("a", "b").burst_bytes == 65536.0 and cluster.link("a", "b").burst_bytes == 0.0
     overlapping = [replace(r, comm_overlap=share) for r, share in zip(live.ranks, (0.2, 0.4, 1.0))]
     measured = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, ranks=overlapping))
     assert measured.device_type("a").comm_overlap == pytest.approx(0.3)  # the median of its ranks'
@@ -90,6 +92,17 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     on_gloo = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, backend="gloo"))
     assert {on_gloo.link("a", "b").backend, on_gloo.link("a", "a").backend} == {"gloo"}
     assert cluster.link("a", "b").backend == "nccl"  # what the fixture's profile says it ran
+
+
+def test_a_links_burst_is_what_one_push_after_idling_gained_over_its_bandwidth() -> None:
+    """50 Mbit/s, 100 µs one way, a 64 KiB bucket: a 312.5 kB push and its acknowledgement take two latencies
+    and the rest of the bytes at the rate. A link without a bucket (or a slower push) has none."""
+    rate, latency, size = 6.25e6, 1e-4, 312_500
+    took = 2 * latency + (size - 65536) / rate
+    assert burst_from_push(size, took, rate / 1e9, latency) == pytest.approx(65536)
+    assert burst_from_push(size, 2 * latency + size / rate, rate / 1e9, latency) == pytest.approx(0, abs=1e-6)
+    assert burst_from_push(size, 1.2 * (2 * latency + size / rate), rate / 1e9, latency) == 0.0
+    assert burst_from_push(size, 0.0, rate / 1e9, latency) == size  # at most the push
 
 
 def test_measured_costs_are_the_fastest_nodes_median_profile_with_the_models_shape(live: LiveProfile) -> None:

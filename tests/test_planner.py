@@ -121,6 +121,51 @@ def test_flows_on_one_link_share_its_bandwidth() -> None:
     assert three == pytest.approx([2.0, 2.0, 1.0])
 
 
+def test_a_link_passes_its_burst_at_once_after_idling() -> None:
+    """A shaped link's bucket (burst_bytes) refills at its rate while no flow crosses it: a flow that
+    starts on it idle passes that much at once, one that follows another at once gets nothing, one after a
+    short gap gets what the gap refilled."""
+    from tessera.planner.simulate import _Engine
+
+    engine = _Engine()
+    engine.channel("x", 1e-3, burst_bytes=1e5)  # 1 MB/s, a 0.1 s bucket
+    first = engine.add((), [], volume=1e6, channels=("x",))
+    right_after = engine.add((), [first], volume=1e6, channels=("x",))
+    gap = engine.add((), [right_after], seconds=0.05)
+    after_a_short_gap = engine.add((), [gap], volume=1e6, channels=("x",))
+    rest = engine.add((), [after_a_short_gap], seconds=1.0)
+    after_a_long_gap = engine.add((), [rest], volume=1e6, channels=("x",))
+    engine.run()
+    ends = [engine.tasks[t].end for t in (first, right_after, after_a_short_gap, after_a_long_gap)]
+    assert ends == pytest.approx([0.9, 1.9, 1.9 + 0.05 + 0.95, 2.9 + 1.0 + 0.9])
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_on_gloo_starts_each_units_collective_with_the_links_burst(costs: ModelCosts, zero: int) -> None:
+    """gloo's FSDP collectives block the compute thread, so the link idles while a unit computes and its
+    bucket refills: the next collective passes burst_bytes at once. Per unit, once in the forward (its
+    gather) and once in the backward (ZeRO-2: its reduce-scatter; ZeRO-3: whichever of its gather and
+    reduce-scatter follows compute). The cost model counts two per unit; the simulator replays the order, in
+    which the embedding computes too briefly to refill the bucket before the first block's gather (and its
+    reduce-scatter), and ZeRO-3's backward finds the link idle before the head's gather and the last block's."""
+    from tessera.planner.layout import grad_sync_s
+
+    link_gbs, burst = 5.0, 1e6  # 0.2 ms of the link: far more than a latency's gap refills
+    plain = _on_gloo(layout_from_plan(Hybrid(zero=zero), _two_nodes(link_gbs), costs, 8))
+    bursty = dataclasses.replace(
+        plain,
+        dp_links=tuple(dataclasses.replace(k, burst_bytes=burst) for k in plain.dp_links),
+        node_links=tuple((a, b, dataclasses.replace(k, burst_bytes=burst)) for a, b, k in plain.node_links),
+    )
+    units = costs.n_layers + 1
+    assert 4 * costs.parts["block"].params / 2 > 10 * burst  # every collective carries more than the bucket
+    one = burst / (link_gbs * 1e9)
+    saved = grad_sync_s(plain, costs, 0) - grad_sync_s(bursty, costs, 0)
+    assert saved == pytest.approx(2 * units * one, rel=1e-9)
+    replayed = (simulate(plain, costs).step_s - simulate(bursty, costs).step_s) / one
+    assert 2 * units - 2 <= replayed <= 2 * units + 2, replayed
+
+
 def _compute_s(costs: ModelCosts, layout, backward: bool) -> float:
     """Seconds of one micro-batch's pass through all parts, from the per-part inputs."""
     peak, b = layout.replicas[0].units[0].peak_tflops, layout.replicas[0].micro_batch

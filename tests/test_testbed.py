@@ -191,6 +191,10 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     assert link.nodes == ("a", "b") and link.latency_us > 0
     # the token bucket's rate bounds what any transfer achieves (a little over for the bucket's depth)
     assert 0 < link.bandwidth_gbs * 1e9 <= 1.2 * RATE, link
+    # and the bucket's depth is what one push after idling passes at once (the training run beside it
+    # shares the CPUs, so within a factor of two)
+    depth = max(64 * 1024, RATE * 0.004)
+    assert 0.5 * depth <= link.burst_bytes <= 2 * depth, link
 
 
 def test_counted_traffic_is_what_the_kernel_sent(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ A ``cluster.yaml``::
       inter_region: {bandwidth_gbs: 1, latency_us: 50000}
       between:                               # pairs of nodes with their own link
         - {nodes: [a, b], bandwidth_gbs: 12.5, latency_us: 20}
+        # any link may add burst_bytes: what a shaped link passes at once after idling (default 0)
 
 Every mistake is a :class:`ClusterError` naming the node (or link) and the field.
 
@@ -61,10 +62,17 @@ class Link:
     # The collectives library on this link. gloo reduce-scatters by all-reducing the whole buffer and
     # keeping a slice (ProcessGroupGloo::reduce_scatter_tensor_coalesced): twice a ring's bytes.
     backend: str = "nccl"
+    # Bytes the link passes at once after it has idled: a token-bucket shaper's depth (tc tbf on the
+    # testbed; a cloud's egress policer). A live profile measures it; 0 for a link without one.
+    burst_bytes: float = 0.0
 
     def seconds(self, n_bytes: float) -> float:
         """Time to move ``n_bytes`` over this link once."""
         return self.latency_us * 1e-6 + n_bytes / (self.bandwidth_gbs * 1e9)
+
+    def burst_s(self, n_bytes: float) -> float:
+        """What a transfer of ``n_bytes`` that starts on an idle link saves: its first ``burst_bytes`` pass at once."""
+        return min(self.burst_bytes, n_bytes) / (self.bandwidth_gbs * 1e9)
 
     def all_reduce_s(self, n_bytes: float, n: int, calls: int = 1) -> float:
         """Ring all-reduce of ``n_bytes`` over ``n`` ranks joined by this link (reduce-scatter + all-gather),
@@ -192,14 +200,9 @@ class Cluster:
                 name: {"peak_tflops": t.peak_tflops, "memory_gib": t.memory_gib, "bandwidth_gbs": t.bandwidth_gbs}
                 for name, t in self.device_types.items()
             }
-        links: dict[str, Any] = {
-            k: {"bandwidth_gbs": v.bandwidth_gbs, "latency_us": v.latency_us} for k, v in self.links.items()
-        }
+        links: dict[str, Any] = {k: _link_dict(v) for k, v in self.links.items()}
         if self.pair_links:
-            links["between"] = [
-                {"nodes": sorted(pair), "bandwidth_gbs": v.bandwidth_gbs, "latency_us": v.latency_us}
-                for pair, v in self.pair_links.items()
-            ]
+            links["between"] = [{"nodes": sorted(pair), **_link_dict(v)} for pair, v in self.pair_links.items()]
         out["links"] = links
         return out
 
@@ -295,13 +298,26 @@ def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
     return nodes
 
 
+LINK_KEYS = ("bandwidth_gbs", "latency_us", "burst_bytes")
+
+
 def _link(spec: Any, where: str) -> Link:
     if not isinstance(spec, dict):
         raise ClusterError(f"{where} must be a mapping with bandwidth_gbs and latency_us.")
+    _known_keys(spec, LINK_KEYS, where)
     return Link(
         _positive(spec.get("bandwidth_gbs"), f"{where}.bandwidth_gbs"),
         _positive(spec.get("latency_us", 0.0), f"{where}.latency_us", allow_zero=True),
+        burst_bytes=_positive(spec.get("burst_bytes", 0.0), f"{where}.burst_bytes", allow_zero=True),
     )
+
+
+def _link_dict(link: Link) -> dict[str, float]:
+    """A link as the cluster file writes it (burst_bytes only where there is one)."""
+    out = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
+    if link.burst_bytes:
+        out["burst_bytes"] = link.burst_bytes
+    return out
 
 
 def _links(raw: Any, names: set[str], source: str) -> tuple[dict[str, Link], dict[frozenset[str], Link]]:

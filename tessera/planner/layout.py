@@ -132,7 +132,8 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
             bwd += f
         forward.append(f)
         backward.append(bwd)
-    transfer = tuple(link.seconds(hidden_bytes) for link in replica.p2p)
+    # One transfer per micro-batch, between computes: each starts on an idle link, with its burst.
+    transfer = tuple(link.seconds(hidden_bytes) - link.burst_s(hidden_bytes) for link in replica.p2p)
     return OpTimes(tuple(forward), tuple(backward), transfer)
 
 
@@ -157,7 +158,9 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
     micro-batch's forward, and under ZeRO-3 again for its backward, so without a pipeline it
     moves (m + 1)/2 and (2m + 1)/2 all-reduces' volume (on gloo, whose reduce-scatter is a whole
     all-reduce, half an all-reduce more) and pays the latency of every one of those per-unit
-    collectives. Under a pipeline the schedule keeps parameters gathered between
+    collectives; on gloo, whose collectives block the compute thread, each of those starts on a link that
+    idled through the previous unit's compute, so it passes the link's burst (``Link.burst_bytes``) at
+    once. Under a pipeline the schedule keeps parameters gathered between
     micro-batches: one volume for ZeRO-2, 1.5 for ZeRO-3 (not measured yet). ZeRO-1 (Tessera's:
     DDP's all-reduce, then one broadcast per parameter piece from its owner) adds an all-gather's
     volume and one collective latency per parameter tensor.
@@ -176,7 +179,15 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
         steps = gathers * (dp - 1) + link.reduce_scatter_steps(dp)
         step_volume = grad_bytes / dp / (link.bandwidth_gbs * 1e9)
         units = end - first + 1
-        return steps * (step_volume + units * link.latency_us * 1e-6)
+        seconds = steps * (step_volume + units * link.latency_us * 1e-6)
+        if layout.pp == 1 and not link.has_streams:
+            # gloo issues each unit's collectives on the compute thread, so the link idles while a unit computes
+            # and the next collective starts with its burst (a shaper's bucket refilled meanwhile): once per
+            # unit and forward, and per unit and backward (ZeRO-3: a unit's reduce-scatter and the next gather
+            # go back to back; ZeRO-2: the last micro-batch's reduce-scatters).
+            gaps = gathers + (layout.zero == 2)
+            seconds -= units * gaps * link.burst_s((dp - 1) * grad_bytes / dp / units)
+        return seconds
     # One all-reduce per bucket: DDP's buckets (tensor parallel: replicate's unit per block) without a
     # pipeline; one flat one under a pipeline.
     calls = 1

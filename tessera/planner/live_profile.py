@@ -10,7 +10,8 @@ GPU cluster the same command, on this machine optionally the testbed). Each rank
 
 and for every pair of nodes one rank of each times ping-pongs (latency) and large transfers
 (bandwidth: the slope between one push and several back to back, so a token bucket's burst and
-the latency cancel) between them, and two ranks of a node do the same for the intra-node link.
+the latency cancel) between them, then one push after the link has idled (what it passes at once:
+a shaper's burst), and two ranks of a node do the same for the intra-node link.
 The two first ranks of the fastest node with two time the whole model plain and tensor parallel
 between them (:class:`TensorParallelMeasurement`): what a sharded block costs beyond its compute
 share and its all-reduces on the link. Last, every rank joins a gradient-sized all-reduce and a
@@ -61,6 +62,10 @@ TRANSFER_BYTES = 2 << 20  # one push of a bandwidth sample
 PUSHES = 4  # back to back: bandwidth is the slope between 1 and PUSHES pushes (a bucket's burst cancels)
 PING_REPEATS = 9
 PUSH_REPEATS = 3
+# The burst probe: one push of about this many seconds at the measured bandwidth (so a burst of a few
+# milliseconds' bytes is a clear share of it), after the link idled twice as long, BURST_REPEATS times.
+BURST_WINDOW_S = 0.05
+BURST_REPEATS = 5
 # Each timing covers at least this many seconds of calls: a CPU quota throttles per 10 ms period, so
 # one short call can run at full speed where a step would not.
 WINDOW_S = 0.2
@@ -101,8 +106,10 @@ class LinkMeasurement:
     bandwidth_gbs: float
     latency_us: float
     # Bus bandwidth of an all-reduce between the two ranks: unlike a send, it includes what both members'
-    # processors do for a collective (gloo copies and reduces on the CPU, a throttled one slowly).
+    # processors do for a collective (gloo copies and reduces on the CPU, a throttled one slowly). Shown,
+    # not priced: rings of more ranks ran at the send rate (see _measured_link).
     all_reduce_gbs: float = 0.0
+    burst_bytes: float = 0.0  # what the link passed at once after idling (burst_from_push)
 
 
 @dataclass
@@ -394,9 +401,11 @@ def measure_links(cluster: Cluster, rank_devices: list[int], device: torch.devic
     return [link for part in gathered for link in part]
 
 
-def _time_pair(src: int, dst: int, pair: dist.ProcessGroup, device: torch.device) -> tuple[float, float, float] | None:
-    """(bandwidth GB/s, one-way latency µs, all-reduce bus bandwidth GB/s) of src → dst, measured on src;
-    None on other ranks."""
+def _time_pair(
+    src: int, dst: int, pair: dist.ProcessGroup, device: torch.device
+) -> tuple[float, float, float, float] | None:
+    """(bandwidth GB/s, one-way latency µs, all-reduce bus bandwidth GB/s, burst bytes) of src → dst,
+    measured on src; None on other ranks."""
     me = dist.get_rank()
     if me not in (src, dst):
         return None
@@ -429,7 +438,30 @@ def _time_pair(src: int, dst: int, pair: dist.ProcessGroup, device: torch.device
         dist.all_reduce(big, group=pair)
         reduced.append(time.perf_counter() - start)
     bus = TRANSFER_BYTES / statistics.median(reduced) / 1e9  # 2(n − 1)/n × bytes / time, n = 2
-    return (bandwidth, latency * 1e6, bus) if me == src else None
+    # One push after the link idled: both ranks meet (a ping-pong), wait, and the push goes at once (the
+    # receiver posted its receive a latency before the sender sends). Its size follows the sender's
+    # bandwidth, which the receiver (whose timings differ) takes from it.
+    agreed = torch.tensor([bandwidth if me == src else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, group=pair)
+    bandwidth = float(agreed.item())
+    probe_bytes = int(min(TRANSFER_BYTES, max(64 << 10, bandwidth * 1e9 * BURST_WINDOW_S))) // 4 * 4
+    probe = big[: probe_bytes // 4]
+    idle = 2 * probe_bytes / (bandwidth * 1e9) + 0.01
+    after_idle = []
+    for _ in range(BURST_REPEATS):
+        exchange(small)
+        time.sleep(idle)
+        after_idle.append(exchange(probe))
+    burst = burst_from_push(probe_bytes, statistics.median(after_idle), bandwidth, latency)
+    return (bandwidth, latency * 1e6, bus, burst) if me == src else None
+
+
+def burst_from_push(nbytes: int, seconds: float, bandwidth_gbs: float, latency_s: float) -> float:
+    """Bytes a link passed at once, from one push of ``nbytes`` after it idled that took ``seconds`` with its
+    acknowledgement: ``nbytes`` less what the measured bandwidth moved in the time beyond the two latencies;
+    0 when the push took the slope's time or longer (a link without a shaper), at most ``nbytes``."""
+    moved = max(seconds - 2 * latency_s, 0.0) * bandwidth_gbs * 1e9
+    return min(max(nbytes - moved, 0.0), float(nbytes))
 
 
 def all_reduce_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
@@ -588,23 +620,21 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
     pairs = {pair: replace(link, backend=live.backend) for pair, link in cluster.pair_links.items()}
     own = [k for k in live.links if k.nodes[0] == k.nodes[1]]
     if own:
-        slowest = min(own, key=_collective_gbs)
-        links["intra_node"] = Link(_collective_gbs(slowest), slowest.latency_us, live.backend)
+        links["intra_node"] = _measured_link(min(own, key=lambda k: k.bandwidth_gbs), live)
     for k in live.links:
         if k.nodes[0] != k.nodes[1]:
-            # A send does not show what a collective costs (each member copies and reduces, a throttled
-            # one slowly): the link gets at most the pair's measured all-reduce bandwidth. (It used to be
-            # capped by the world's all-reduce, which a ring with one slow link drags down for every pair:
-            # a 189 Mbit/s pair was planned at the 47 Mbit/s of another.)
-            bandwidth = _collective_gbs(k, live.all_reduce_gbs)
-            pairs[frozenset(k.nodes)] = Link(bandwidth, k.latency_us, live.backend)
+            pairs[frozenset(k.nodes)] = _measured_link(k, live)
     return Cluster(tuple(nodes), types, links, pairs)
 
 
-def _collective_gbs(k: LinkMeasurement, fallback: float = 0.0) -> float:
-    """What collectives get of a measured link: its send bandwidth, at most its pair's all-reduce bandwidth
-    (or ``fallback``, the world's, for a profile without one)."""
-    return min(k.bandwidth_gbs, k.all_reduce_gbs or fallback or k.bandwidth_gbs)
+def _measured_link(k: LinkMeasurement, live: LiveProfile) -> Link:
+    """The link a measurement describes: its send bandwidth, latency and burst.
+
+    Collectives get the send bandwidth. Session 13 bounded it by the pair's own all-reduce (each member
+    copies and reduces, a throttled one slowly), but on the testbed rings of four ranks crossed the slow
+    pair at its send rate (48 Mbit/s) where the pair's two-rank all-reduce made 44, and the bound put
+    every layout over that pair 7-11 % slow (benchmarks/gloo_collectives.py, docs/benchmarks.md)."""
+    return Link(k.bandwidth_gbs, k.latency_us, live.backend, k.burst_bytes)
 
 
 def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
@@ -647,7 +677,7 @@ def _node_link(live: LiveProfile, node: str, timed: str) -> Link:
             f"the live profile timed {timed} on node {node!r} but not the link inside it: profile again with "
             "`tessera cluster profile`."
         )
-    return Link(_collective_gbs(own[0]), own[0].latency_us, live.backend)
+    return _measured_link(own[0], live)
 
 
 def fsdp_unit_overhead(live: LiveProfile, costs: ModelCosts, alone_s: float) -> float:

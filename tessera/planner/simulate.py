@@ -29,9 +29,12 @@ of what the runtime does, op by op:
 - **Links are shared**: every transfer is a flow on the directed links it crosses (a ring
   collective crosses one hop per member); flows on one link split its bandwidth evenly, so two
   transfers that meet on a link both slow down. Latency is paid per ring step before the flow
-  moves bytes. A layout built from a Plan knows each rank's node, so flows meet where they
-  really share a node pair; the search's compact layouts (alike replicas folded into a count)
-  get one link per stage's data-parallel group and one per stage boundary.
+  moves bytes. A link with a measured burst (``Link.burst_bytes``: a token-bucket shaper's depth)
+  refills it at its bandwidth while no flow crosses it; a flow that starts on it idle passes that
+  many of its bytes at once (on its slowest link). A layout built from a Plan knows each rank's
+  node, so flows meet where they really share a node pair; the search's compact layouts (alike
+  replicas folded into a count) get one link per stage's data-parallel group and one per stage
+  boundary.
 - **What a transfer costs compute**: a data-parallel collective takes ``1 − comm_overlap`` of its
   bytes' time from each member's compute stream where it is issued (``DeviceType.comm_overlap``:
   1 by default, for copy engines and NCCL; measured by a live profile: 0.73–0.92 for gloo on the
@@ -109,9 +112,11 @@ class _Engine:
         self.tasks: list[_Task] = []
         self.queues: dict[object, list[int]] = {}
         self.bandwidth: dict[object, float] = {}  # bytes per second of each channel
+        self.burst: dict[object, float] = {}  # bytes a channel passes at once after idling
 
-    def channel(self, key: object, bandwidth_gbs: float) -> object:
+    def channel(self, key: object, bandwidth_gbs: float, burst_bytes: float = 0.0) -> object:
         self.bandwidth.setdefault(key, bandwidth_gbs * 1e9)
+        self.burst.setdefault(key, burst_bytes)
         return key
 
     def add(self, streams: tuple = (), deps: list[int] | tuple = (), **kw: object) -> int:
@@ -137,6 +142,7 @@ class _Engine:
         heap: list[tuple[float, int, int, int]] = []
         flows: dict[int, list[float]] = {}  # task -> [bytes left at t0, rate, t0, version]
         on_channel: dict[object, set[int]] = {}
+        idle_since: dict[object, float] = {}  # when each channel last emptied (never used: its bucket is full)
         in_flight: dict[str, list[float]] = {}  # kind of transfer -> [flows moving, since when]
         busy: dict[str, float] = {}
         now, finished = 0.0, 0
@@ -196,9 +202,14 @@ class _Engine:
             if kind == 2 and (i not in flows or flows[i][3] != version):
                 continue  # superseded by a re-rate
             if kind == 1 and tasks[i].volume > 0:
+                slowest = min(tasks[i].channels, key=lambda c: self.bandwidth[c], default=None)
+                credit = 0.0  # the slowest channel's bucket, refilled while it idled
+                if slowest is not None and not on_channel.get(slowest):
+                    idled = now - idle_since.get(slowest, -math.inf)
+                    credit = min(self.burst[slowest], idled * self.bandwidth[slowest])
                 for c in tasks[i].channels:
                     on_channel.setdefault(c, set()).add(i)
-                flows[i] = [tasks[i].volume, math.inf, now, 0]
+                flows[i] = [max(tasks[i].volume - credit, 0.0), math.inf, now, 0]
                 count(tasks[i].comm, 1)
                 rerate(sharing(i))
                 continue
@@ -206,6 +217,8 @@ class _Engine:
                 del flows[i]
                 for c in tasks[i].channels:
                     on_channel[c].discard(i)
+                    if not on_channel[c]:
+                        idle_since[c] = now
                 count(tasks[i].comm, -1)
                 rerate(sharing(i))
             candidates = finish(i)
@@ -331,16 +344,16 @@ class _Step:
             members = [layout.nodes[r][s] for r in range(len(layout.replicas))]
             hops = list(zip(members, members[1:] + members[:1]))
             links = [layout.link_between(a, b) for a, b in hops]
-            channels = tuple(self.e.channel(hop, link.bandwidth_gbs) for hop, link in zip(hops, links))
+            channels = tuple(self.e.channel(hop, k.bandwidth_gbs, k.burst_bytes) for hop, k in zip(hops, links))
             return channels, max(link.latency_us for link in links) * 1e-6
         link = layout.dp_links[s]
-        return (self.e.channel(("dp", self.offset, s), link.bandwidth_gbs),), link.latency_us * 1e-6
+        return (self.e.channel(("dp", self.offset, s), link.bandwidth_gbs, link.burst_bytes),), link.latency_us * 1e-6
 
     def _tp_all_reduce(self, r: int, s: int, after: int) -> int:
         """One blocking all-reduce of the hidden states inside the tensor-parallel group."""
         layout, spec = self.layout, self.layout.replicas[r]
         n, link = layout.tp, spec.units[s].tp_link
-        channel = self.e.channel(("tp", r + self.offset, s), link.bandwidth_gbs)
+        channel = self.e.channel(("tp", r + self.offset, s), link.bandwidth_gbs, link.burst_bytes)
         volume = 2 * (n - 1) / n * self.costs.boundary_bytes(spec.micro_batch)
         return self.e.add(
             (self.stream("compute", r, s),), [after], volume=volume,
@@ -359,7 +372,7 @@ class _Step:
             key = ("p2p", r + self.offset, s, forward)
         return self.e.add(
             (), [after], volume=self.costs.boundary_bytes(spec.micro_batch), latency=link.latency_us * 1e-6,
-            channels=(self.e.channel(key, link.bandwidth_gbs),), comm="pipeline",
+            channels=(self.e.channel(key, link.bandwidth_gbs, link.burst_bytes),), comm="pipeline",
         )  # fmt: skip
 
     def _unit_bytes(self, s: int, unit: int, gather: bool = False) -> float:
@@ -531,7 +544,7 @@ class _Step:
                     task = self.e.add(
                         (("broadcast", self.offset, s, src, dst),), [*before, arrived.get(src)],
                         volume=nbytes / n / chunks, latency=calls * link.latency_us * 1e-6,
-                        channels=(self.e.channel(hop, link.bandwidth_gbs),), comm="data parallel",
+                        channels=(self.e.channel(hop, link.bandwidth_gbs, link.burst_bytes),), comm="data parallel",
                     )  # fmt: skip
                     arrived[dst] = task
                     sent.append(task)
@@ -582,7 +595,7 @@ def _simulate_mixed(layout: MixedLayout, costs: ModelCosts) -> Simulation:
         step.passes()
         steps.append(step)
     n, link = len(layout.parts), layout.sync_link
-    channel = engine.channel(("replicas",), link.bandwidth_gbs)
+    channel = engine.channel(("replicas",), link.bandwidth_gbs, link.burst_bytes)
     previous = [task for step in steps for task in step.last_backward.values()]
     left = GRAD_BYTES * sum(p.params for p in _parts(costs, 0, costs.n_layers))
     while left > 0 and n > 1:
