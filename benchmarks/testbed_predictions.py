@@ -20,6 +20,10 @@ ranks and a pipeline's b → c transfer cross). Nothing is paced by the planner'
    others (pairwise order agreement).
 
     sudo python benchmarks/testbed_predictions.py [--reps 2] [--steps 8] [--json docs/testbed_predictions.json]
+
+``--repredict FILE`` runs nothing: it predicts a stored run's layouts again from the live profile
+stored with it, with today's predictors, and rewrites the predictions and the summary (the
+measurements are left as they are).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from testbed_cluster import BATCH, profile_testbed, train_records  # noqa: E402
+from testbed_cluster import BATCH, SEQ, cluster_spec, config, profile_testbed, train_records  # noqa: E402
 
 # name -> (plan section, ranks). Ranks take cluster devices in order (a:0, a:1, b:0, c:0) unless placed.
 LAYOUTS: dict[str, tuple[dict, int]] = {
@@ -102,9 +106,11 @@ def main() -> None:
     ap.add_argument("--slow-link-mbit", type=float, default=50.0, help="the link between nodes b and c")
     ap.add_argument("--only", nargs="*", help="run only these layouts (names as in LAYOUTS)")
     ap.add_argument("--json")
+    ap.add_argument("--repredict", help="a stored run's JSON: predict its layouts again from its own profile")
     args = ap.parse_args()
-
-    from tessera.train.config import PlanConfig, plan_from_config
+    if args.repredict:
+        repredict(Path(args.repredict))
+        return
 
     layouts = {k: v for k, v in LAYOUTS.items() if not args.only or k in args.only}
     bed = profile_testbed("testbed-predictions-", args.link_mbit, args.cpus, args.steps, args.slow_link_mbit)
@@ -119,15 +125,36 @@ def main() -> None:
 
     rows = {}
     for name, (plan_dict, nproc) in layouts.items():
-        plan = plan_from_config(PlanConfig(**plan_dict))
-        row: dict[str, Any] = {"plan": plan_dict, "ranks": nproc, **predict(plan, cluster, costs)}
+        row: dict[str, Any] = {"plan": plan_dict, "ranks": nproc}
         row["measured_step_s"] = statistics.median(m["step_s"] for m in measured[name])
         row["runs_s"] = [m["step_s"] for m in measured[name]]
         row["measured_peak_bytes"] = [max(m["peak_bytes"][i] for m in measured[name]) for i in range(nproc)]
+        rows[name] = row
+    summary = predict_rows(rows, cluster, costs)
+    if args.json:
+        out = {
+            "cpus": args.cpus,
+            "link_mbit": args.link_mbit,
+            "slow_link_mbit": args.slow_link_mbit,
+            "steps": args.steps,
+            "reps": args.reps,
+            "live_profile": json.loads(live.to_json()),
+            "rows": rows,
+            "summary": summary,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+def predict_rows(rows: dict[str, dict], cluster: Any, costs: Any) -> dict:
+    """Both predictors' figures and errors into every row (in place); returns the summary."""
+    from tessera.train.config import PlanConfig, plan_from_config
+
+    for name, row in rows.items():
+        row.update(predict(plan_from_config(PlanConfig(**row["plan"])), cluster, costs))
         for key in ("cost_model", "simulator"):
             row[f"{key}_error"] = row[f"{key}_s"] / row["measured_step_s"] - 1
         row["memory_error"] = [p / m - 1 for p, m in zip(row["predicted_peak_bytes"], row["measured_peak_bytes"])]
-        rows[name] = row
         print(
             f"{name:26s} measured {row['measured_step_s']:.3f} s  cost model {row['cost_model_s']:.3f} "
             f"({row['cost_model_error']:+.0%})  simulator {row['simulator_s']:.3f} ({row['simulator_error']:+.0%})  "
@@ -152,19 +179,33 @@ def main() -> None:
         "within_15_percent": sum(e <= 0.15 for e in memory_errors) / len(memory_errors),
     }
     print("summary", json.dumps(summary, indent=1))
-    if args.json:
-        out = {
-            "cpus": args.cpus,
-            "link_mbit": args.link_mbit,
-            "slow_link_mbit": args.slow_link_mbit,
-            "steps": args.steps,
-            "reps": args.reps,
-            "live_profile": json.loads(live.to_json()),
-            "rows": rows,
-            "summary": summary,
-        }
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
-        print(f"wrote {args.json}")
+    return summary
+
+
+def repredict(path: Path) -> None:
+    """Predict a stored run's layouts again from the live profile stored with it; rewrite ``path``."""
+    import tempfile
+
+    import torch
+    import yaml
+
+    from tessera.cluster.spec import Cluster
+    from tessera.planner import ModelCosts
+    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs
+    from tessera.train.build import build_model
+    from tessera.train.config import load_config
+
+    stored = json.loads(path.read_text())
+    work = Path(tempfile.mkdtemp(prefix="testbed-repredict-"))
+    (work / "live.json").write_text(json.dumps(stored["live_profile"]))
+    live = LiveProfile.load(work / "live.json")
+    (work / "model.yaml").write_text(yaml.safe_dump(config(work, {"preset": "ddp"}, stored["steps"], "repredict")))
+    with torch.device("meta"):
+        model = build_model(load_config(str(work / "model.yaml"), []))
+    cluster = measured_cluster(Cluster.from_dict(cluster_spec(stored["link_mbit"], stored["slow_link_mbit"])), live)
+    stored["summary"] = predict_rows(stored["rows"], cluster, measured_costs(live, ModelCosts.from_model(model, SEQ)))
+    path.write_text(json.dumps(stored, indent=1, default=str) + "\n")
+    print(f"rewrote {path}")
 
 
 if __name__ == "__main__":

@@ -80,11 +80,12 @@ def test_the_measured_cluster_carries_measured_speeds_memory_speeds_and_links(li
     assert cluster.link("a", "a").bandwidth_gbs == 1.5
     timed = [
         replace(live.links[0], bandwidth_gbs=0.05, all_reduce_gbs=0.02, burst_bytes=65536.0),
-        replace(live.links[1], all_reduce_gbs=0.9),
+        replace(live.links[1], all_reduce_gbs=0.9, burst_bytes=1e6),  # inside a node: a quota's artefact
     ]
     paired = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, links=timed))
     assert paired.link("a", "b").bandwidth_gbs == 0.05 and paired.link("a", "a").bandwidth_gbs == 1.5
     assert paired.link("a", "b").burst_bytes == 65536.0 and cluster.link("a", "b").burst_bytes == 0.0
+    assert paired.link("a", "a").burst_bytes == 0.0
     overlapping = [replace(r, comm_overlap=share) for r, share in zip(live.ranks, (0.2, 0.4, 1.0))]
     measured = measured_cluster(Cluster.from_dict(CLUSTER), replace(live, ranks=overlapping))
     assert measured.device_type("a").comm_overlap == pytest.approx(0.3)  # the median of its ranks'

@@ -630,11 +630,16 @@ def measured_cluster(cluster: Cluster, live: LiveProfile) -> Cluster:
 def _measured_link(k: LinkMeasurement, live: LiveProfile) -> Link:
     """The link a measurement describes: its send bandwidth, latency and burst.
 
+    A burst counts between nodes only, where a shaper may keep a bucket. Inside a node nothing shapes
+    the link, yet on CPU quotas a lone push after idling runs up to 3× the back-to-back rate (it fits
+    in one quota period's budget), which a step of many collectives does not get back.
+
     Collectives get the send bandwidth. Session 13 bounded it by the pair's own all-reduce (each member
     copies and reduces, a throttled one slowly), but on the testbed rings of four ranks crossed the slow
     pair at its send rate (48 Mbit/s) where the pair's two-rank all-reduce made 44, and the bound put
     every layout over that pair 7-11 % slow (benchmarks/gloo_collectives.py, docs/benchmarks.md)."""
-    return Link(k.bandwidth_gbs, k.latency_us, live.backend, k.burst_bytes)
+    burst = k.burst_bytes if k.nodes[0] != k.nodes[1] else 0.0
+    return Link(k.bandwidth_gbs, k.latency_us, live.backend, burst)
 
 
 def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
