@@ -56,6 +56,47 @@ def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
     return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index, "sent": sent}
 
 
+def unlike_groups_worker(steps: int = STEPS) -> dict:
+    """Two groups laid out differently, meeting in canonical slots: group 0 (ranks 0, 1) shards every
+    parameter with FSDP2 (ZeRO-3), group 1 (ranks 2, 3) holds whole replicas and averages its gradients
+    itself. DiLoCo with H = 1, inner SGD, outer lr 1 and no outer momentum: synchronous SGD."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tessera.parallel.outer import MeshAcross, OuterSync
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (GROUPS, 2), mesh_dim_names=("group", "dp"))
+    group, inside = rank // 2, mesh["dp"].get_group()
+    model = build_model("llama")
+    if group == 0:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    opt = _inner_optimizer("sgd", model.parameters())
+    spec = Groups(count=GROUPS, sync="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    across = MeshAcross(mesh["group"].get_group())  # rank r of each group: slot r
+    outer = OuterSync(dict(model.named_parameters()), across, spec, [0.5, 0.5], group, members=inside, slots=2)
+    losses = []
+    for x, y in global_batches(TokenData(), GLOBAL_BATCH, steps):
+        mine = slice(2 * rank, 2 * rank + 2)  # each rank a quarter of the global batch
+        loss = loss_fn(model(x[mine]), y[mine])
+        loss.backward()
+        if group == 1:  # whole replicas: average the group's gradients (FSDP does it in group 0)
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=inside)
+                p.grad /= 2
+        opt.step()
+        opt.zero_grad()
+        outer.after_inner_step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / 4)
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": params, "group": group}
+
+
 def synchronous_reference(steps: int) -> dict:
     """Plain SGD over the whole global batch, one process."""
     model = build_model("llama")
@@ -259,6 +300,7 @@ def runs(train_roots: dict[str, Path]) -> dict[str, list]:
     calls["refusals"] = (refusals, (str(train_roots["refusals"]),))
     calls["warm"] = (warm_start, (str(train_roots["warm"]),))
     calls["fragments"] = (refused_fragments, ())
+    calls["unlike groups"] = (unlike_groups_worker, ())
     return run_shared(4, calls)
 
 
@@ -276,6 +318,15 @@ def _same(got: list[dict], want: dict, atol: float = 1e-5) -> None:
 
 def test_diloco_with_one_inner_sgd_step_is_synchronous_sgd(runs: dict) -> None:
     got = runs["diloco reduces to sync sgd"]
+    assert [r["group"] for r in got] == [0, 0, 1, 1]
+    _same(got, synchronous_reference(STEPS))
+
+
+def test_groups_laid_out_differently_meet_in_canonical_slots(runs: dict) -> None:
+    """One group of FSDP shards, one of whole replicas: each cuts the same flat of whole parameters into
+    slots (the sharded one gathering each parameter inside the group, then taking its shards back), so
+    DiLoCo that reduces to synchronous SGD still does."""
+    got = runs["unlike groups"]
     assert [r["group"] for r in got] == [0, 0, 1, 1]
     _same(got, synchronous_reference(STEPS))
 

@@ -9,7 +9,11 @@ group then continues from the new agreed weights. With H = 1, an inner SGD witho
 outer lr 1 and no outer momentum this is synchronous SGD over the whole global batch.
 
 Each rank works on its local piece of each parameter (a ZeRO-3 or tensor-parallel shard):
-groups are laid out alike, so the same rank of every group holds the same piece.
+groups laid out alike hold the same piece at the same rank, and pair it directly. Groups that differ
+(in size, or one shards what another replicates) meet in canonical slots instead: every group cuts
+the same flat of whole parameters into as many slots as the smallest group has ranks, and rank r of
+each group sends slot r. A group of whole replicas cuts its own flat; a group of shards gathers each
+parameter whole inside the group to cut it, and takes its shards back from the averaged slots.
 
 Its state (the agreed weights, the outer momentum, error feedback's remainders and a transfer in
 flight) is saved in each group's checkpoint by :meth:`OuterSync.state_dict`, keyed by parameter name.
@@ -30,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from tessera.distributed import local
-from tessera.errors import PlanError
+from tessera.errors import NotSupportedYet, PlanError
 from tessera.groups import Groups
 from tessera.parallel.compress import BLOCK, ErrorFeedback, sum_payloads
 
@@ -149,12 +153,22 @@ class OuterSync:
         # stage's data-parallel ranks, not the whole group.
         holders = holders if holders is not None else members
         replicated = holders is not None and dist.get_world_size(holders) > 1
-        self.replicas = holders if replicated and not any(isinstance(p, DTensor) for p in params.values()) else None
-        # Groups of different sizes split the sync into as many slices as the smallest has ranks (``slots``):
-        # the holders past them send nothing across and take the averaged slices from the others.
-        # Given, the slices are cut for ``slots`` even in a group of one rank, so every group sends the same.
+        self.sharded = any(isinstance(p, DTensor) for p in params.values())
+        self.replicas = holders if replicated and not self.sharded else None
+        # Groups that differ (in size or layout) split the sync into as many canonical slots as the smallest
+        # has ranks (``slots``): the holders past them send nothing across and take the averaged slots from
+        # the others. Given, the slots are cut even in a group of one rank, so every group sends the same.
         self.slots = slots
-        replicas = self.replicas
+        self.inside = members  # a sharded group's ranks, which gather its parameters whole to cut slots
+        if slots is not None and self.sharded:
+            spans = {p.device_mesh.size() for p in params.values() if isinstance(p, DTensor)}
+            if members is None or spans != {dist.get_world_size(members)}:
+                raise NotSupportedYet(
+                    "groups that differ in size or layout sync sharded parameters through the whole group, and "
+                    "here a shard's mesh is not the group's ranks (pipeline stages inside such groups are not "
+                    "supported yet)."
+                )
+        replicas = self.replicas if not (slots and self.sharded) else self.inside
         self.sends = replicas is None or dist.get_rank(replicas) < (slots or dist.get_world_size(replicas))
         which = fragment_of(list(params), blocks or [], spec.fragments)
         self.fragments = [
@@ -187,7 +201,7 @@ class OuterSync:
         flat *= weight
         fragment.flat, fragment.due = flat, self.step + self.spec.delay
         fragment.sent = [piece.clone() for piece in fragment.pieces] if self.spec.delay else []
-        fragment.part = self._slice(flat)
+        fragment.part = self._slice(flat, fragment)
         fragment.total = self.across.total_weight(weight)
         if not self.sends:  # a holder past the slots: its slice is gathered from the others in _arrive
             if self.spec.compression != "none" and fragment.feedback.remainder is None:
@@ -214,12 +228,15 @@ class OuterSync:
             part = sum_payloads(rows, self.spec.compression, part.numel())
         if fragment.total not in (0.0, 1.0):  # some groups sat this sync out: the average is over those that sent
             part = part / fragment.total
-        fragment.flat = self._whole(part, fragment.flat.numel())
+        fragment.flat = self._whole(part, fragment.flat.numel(), fragment)
         fragment.work, fragment.gathered, fragment.part = None, None, None
 
-    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``flat`` when replicas split the sync, else ``flat``. Slices are whole blocks
-        of the quantiser, so compressing them equals compressing ``flat``, block for block."""
+    def _slice(self, flat: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
+        """This rank's slice of ``flat`` (the fragment's local values) when replicas split the sync or slots
+        are canonical, else ``flat``. Slices are whole blocks of the quantiser, so compressing them equals
+        compressing the whole, block for block."""
+        if self.slots is not None and self.sharded:
+            return self._cut_slot(flat, fragment)
         if self.replicas is None and self.slots is None:
             return flat
         n = self.slots or dist.get_world_size(self.replicas)
@@ -228,13 +245,57 @@ class OuterSync:
         index = dist.get_rank(self.replicas) if self.replicas is not None else 0
         return padded[index * size :][:size] if index < n else flat.new_zeros(size)  # past the slots: nothing
 
-    def _whole(self, part: torch.Tensor, numel: int) -> torch.Tensor:
-        """Every replica's slice gathered (the inverse of :meth:`_slice`), ``numel`` values long."""
+    def _whole(self, part: torch.Tensor, numel: int, fragment: _Fragment) -> torch.Tensor:
+        """The fragment's local values from every slice (the inverse of :meth:`_slice`), ``numel`` long."""
+        if self.slots is not None and self.sharded:
+            return self._from_slots(part, fragment)
         if self.replicas is None:
             return part[:numel]  # a slice of one: the whole, maybe padded for slots
         whole = part.new_empty(dist.get_world_size(self.replicas) * part.numel())
         dist.all_gather_into_tensor(whole, part.contiguous(), group=self.replicas)
         return whole[:numel]
+
+    # ------------------------------------------------------------------ canonical slots of a sharded group
+    def _slot_bounds(self, fragment: _Fragment) -> tuple[int, int, int]:
+        """(slot size, this rank's slot start, end) in the fragment's canonical flat: every parameter whole,
+        in order, cut into ``slots`` runs of whole quantiser blocks (as a group of whole replicas cuts it)."""
+        n = self.slots or 1
+        total = sum(p.numel() for p in fragment.params)
+        size = -(-total // (n * BLOCK)) * BLOCK
+        index = dist.get_rank(self.inside)
+        return (size, index * size, (index + 1) * size) if index < n else (size, 0, 0)
+
+    def _cut_slot(self, flat: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
+        """This rank's canonical slot of the fragment's values, from its shards: each parameter gathered whole
+        inside the group (one at a time, so a rank holds one whole parameter beside its slot)."""
+        size, lo, hi = self._slot_bounds(fragment)
+        part = flat.new_zeros(size)
+        offset = 0
+        for param, piece in zip(fragment.params, flat.split([local(p).numel() for p in fragment.params])):
+            whole = _full(param, piece.view(local(param).shape)).flatten()
+            a, b = max(lo, offset), min(hi, offset + whole.numel())
+            if a < b:
+                part[a - lo : b - lo] = whole[a - offset : b - offset]
+            offset += whole.numel()
+        return part
+
+    def _from_slots(self, part: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
+        """The fragment's local values from the group's slots (the inverse of :meth:`_cut_slot`): each
+        parameter's runs broadcast from the ranks whose slots hold them, then this rank's shard taken."""
+        size = self._slot_bounds(fragment)[0]
+        n, pieces, offset, mine = self.slots or 1, [], 0, dist.get_rank(self.inside)
+        for param in fragment.params:
+            whole = part.new_empty(param.numel())
+            for r in range(n):
+                a, b = max(r * size, offset), min((r + 1) * size, offset + param.numel())
+                if a >= b:
+                    continue
+                run = part[a - r * size : b - r * size].clone() if mine == r else part.new_empty(b - a)
+                dist.broadcast(run, src=dist.get_global_rank(self.inside, r), group=self.inside)
+                whole[a - offset : b - offset] = run
+            pieces.append(_shard_of(param, whole.view(param.shape)).flatten())
+            offset += param.numel()
+        return torch.cat(pieces)
 
     @torch.no_grad()
     def _land(self, fragment: _Fragment) -> None:
@@ -289,7 +350,8 @@ class OuterSync:
                 fields["momentum"] = momentum
             if fragment.feedback.remainder is not None:  # replicas hold a slice each: saved whole
                 numel = sum(a.numel() for a in fragment.agreed)
-                fields["remainder"] = self._split(fragment, self._whole(fragment.feedback.remainder, numel))
+                remainder = self._whole(fragment.feedback.remainder, numel, fragment)
+                fields["remainder"] = self._split(fragment, remainder)
             if fragment.flat is not None:
                 fields["arrived"] = self._split(fragment, fragment.flat)
                 if fragment.sent:
@@ -329,7 +391,7 @@ class OuterSync:
             flat = {field: torch.cat([v.flatten() for v in saved[field]]) for field in ("remainder", "arrived")
                     if field in saved}  # fmt: skip
             remainder = flat.get("remainder")
-            fragment.feedback.remainder = self._slice(remainder).clone() if remainder is not None else None
+            fragment.feedback.remainder = self._slice(remainder, fragment).clone() if remainder is not None else None
             fragment.flat = flat.get("arrived")
             fragment.sent = [v.clone() for v in saved.get("sent", [])]
             fragment.work, fragment.gathered, fragment.due = None, None, int(state["due"][f])
@@ -394,6 +456,20 @@ def fragment_of(names: list[str], blocks: list[str], fragments: int) -> list[int
             current = block // per
         out.append(current)
     return out
+
+
+def _full(param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (this rank's part of ``param``'s values) made whole: gathered over a shard's mesh."""
+    return _like(param, piece).full_tensor() if isinstance(param, DTensor) else piece
+
+
+def _shard_of(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole`` (values shaped as ``param``), laid out as its local piece is."""
+    if not isinstance(param, DTensor):
+        return whole
+    mesh = param.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, param.placements).to_local()
 
 
 def _like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
