@@ -73,7 +73,8 @@ class Booster:
         if self.fault_tolerant:  # this job is one group: the rest of the Plan lays it out
             assert self.groups is not None
             self.group_index = fault_tolerant.group_from_env(self.groups.count)
-            self.plan = dataclasses.replace(plan, groups=None).resolve(world)
+            layout = self.groups.layout_fields(self.group_index)  # what this group lays out its own way
+            self.plan = dataclasses.replace(plan, groups=None, **layout).resolve(world)
             fault_tolerant.check_group_job(self.groups, self.group_index, self.plan, world)
         else:
             self.plan = plan.resolve(world)
@@ -150,8 +151,8 @@ class Booster:
             return wrapped, None
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
         if self.groups is not None and self.groups.sync != "every_step":  # after the inner steps
-            # groups of different sizes meet through as many ranks as the smallest has (whole replicas)
-            slots = min(self.groups.sizes or ()) if self.groups.uneven else None
+            # groups that differ in size or layout meet in canonical slots, as many as the smallest has ranks
+            slots = min(self.groups.sizes or (dist.get_world_size(),)) if self.groups.differ else None
             inside = self._ctx.meshes.inside
             across: dist.ProcessGroup | Across = (
                 fault_tolerant.TorchftAcross.from_env(self.group_index, self.device.type, slots, inside)

@@ -27,9 +27,10 @@ Streaming DiLoCo send (:mod:`tessera.parallel.compress`).
 ``fault_tolerant``: each group is its own job and they meet through torchft's quorum, so a group that
 fails does not stop the others and one that comes back takes their state
 (:mod:`tessera.parallel.fault_tolerant`; ``tessera train`` starts a Lighthouse and one job per group).
-Such groups may differ in size (``sizes``: ranks per group, e.g. a region of 8 and one of 4); groups
-of different sizes hold whole replicas (data parallelism, ZeRO-0/1) and sync through as many ranks
-as the smallest group has.
+Such groups may differ in size (``sizes``: ranks per group, e.g. a region of 8 and one of 4) and in
+layout (``layouts``: per group, the Plan fields it sets for itself, e.g. ZeRO-3 in the small region
+and plain data parallelism in the big one). Groups that differ sync through as many ranks as the
+smallest has, in canonical slots (:class:`tessera.parallel.outer.OuterSync`).
 
 Example:
     >>> plan = Plan(zero=2, groups=Groups(count=2, sync="diloco", inner_steps=50))
@@ -47,6 +48,51 @@ from tessera.errors import PlanError, nearest
 from tessera.inputs import shown
 
 SYNCS = ("every_step", "diloco", "streaming", "none")
+RECOMPUTES = ("none", "full")
+
+
+@dataclass(frozen=True)
+class InnerLayout:
+    """What one fault-tolerant group lays out differently from the Plan's other fields (None: as they say).
+
+    Example:
+        >>> Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {}))
+    """
+
+    zero: int | None = None
+    tp: int | None = None
+    offload: bool | None = None
+    recompute: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The Plan fields this group sets."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+def _inner_layout(value: Any, where: str) -> InnerLayout:
+    if isinstance(value, InnerLayout):
+        return value
+    names = tuple(InnerLayout.__dataclass_fields__)
+    if not isinstance(value, dict):
+        raise PlanError(f"{where} must be a mapping of Plan fields ({', '.join(names)}), got {shown(value)}.")
+    for key in value:
+        if key not in names:
+            raise PlanError(
+                f"{where} has no field {key!r}{nearest(str(key), names)}: a group may set {', '.join(names)} "
+                "(pipeline and sequence parallelism inside groups that differ are not supported yet)."
+            )
+    zero, tp = value.get("zero"), value.get("tp")
+    if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
+        raise PlanError(f"{where}.zero must be 0, 1, 2 or 3, got {shown(zero)}.")
+    if tp is not None:
+        _positive_int(f"{where[5:]}.tp", tp, MAX_GROUPS)
+    if value.get("offload") is not None and not isinstance(value["offload"], bool):
+        raise PlanError(f"{where}.offload must be true or false, got {shown(value['offload'])}.")
+    if value.get("recompute") is not None and value["recompute"] not in RECOMPUTES:
+        raise PlanError(f"{where}.recompute must be one of {', '.join(RECOMPUTES)}, got {shown(value['recompute'])}.")
+    return InnerLayout(**value)
+
+
 COMPRESSIONS = ("none", "bf16", "int8", "int4")  # tessera.parallel.compress
 MAX_GROUPS = 1 << 16
 MAX_INNER_STEPS = 1 << 24
@@ -68,11 +114,20 @@ class Groups:
     compression: str = "none"
     fault_tolerant: bool = False
     sizes: tuple[int, ...] | None = None
+    layouts: tuple[InnerLayout, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("shares", "sizes"):
+        for name in ("shares", "sizes", "layouts"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.layouts is not None:
+            if not isinstance(self.layouts, tuple) or len(self.layouts) != self.count:
+                raise PlanError(
+                    f"Plan.groups.layouts must list one mapping per group ({self.count}), e.g. [{{zero: 3}}, {{}}], "
+                    f"got {shown(self.layouts)}."
+                )
+            layouts = tuple(_inner_layout(v, f"Plan.groups.layouts[{i}]") for i, v in enumerate(self.layouts))
+            object.__setattr__(self, "layouts", layouts)
         _positive_int("groups.count", self.count, MAX_GROUPS)
         if self.sync not in SYNCS:
             raise PlanError(
@@ -129,6 +184,11 @@ class Groups:
                 f"Plan.groups.fault_tolerant=true meets the groups at DiLoCo's outer syncs; sync: {self.sync} has "
                 "none (every_step would need a quorum every step): use sync: diloco or streaming."
             )
+        if self.layouts is not None and not self.fault_tolerant:
+            raise PlanError(
+                "Plan.groups.layouts lays each group out its own way, so each group is its own job: set "
+                "fault_tolerant: true (or drop layouts and lay every group out alike)."
+            )
         if self.fault_tolerant and self.delay:
             raise PlanError(
                 f"Plan.groups.fault_tolerant=true needs delay=0 (got {self.delay}): a quorum may rebuild the "
@@ -143,6 +203,15 @@ class Groups:
     def uneven(self) -> bool:
         """Whether the groups differ in size."""
         return self.sizes is not None and len(set(self.sizes)) > 1
+
+    @property
+    def differ(self) -> bool:
+        """Whether the groups differ in size or layout (then they meet in canonical slots)."""
+        return self.uneven or (self.layouts is not None and len(set(self.layouts)) > 1)
+
+    def layout_fields(self, group: int) -> dict[str, Any]:
+        """The Plan fields group ``group`` sets for itself (none without ``layouts``)."""
+        return self.layouts[group].fields() if self.layouts is not None else {}
 
     def group_worlds(self, ranks: int) -> list[int]:
         """Ranks of each group when ``ranks`` are launched for all of them (refused when they do not fit)."""

@@ -224,15 +224,17 @@ def test_a_group_that_just_healed_brings_no_change_and_a_failed_commit_is_droppe
 
 def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_path: Path) -> None:
     """`tessera train` with fault-tolerant groups on one machine: a Lighthouse and a torchrun job per group,
-    of different sizes (1 rank and 2 DDP ranks: they sync through one rank each, the second of group 1
-    takes the decisions and a healed state from its rank 0). Group 1's rank 0 crashes before step 7;
-    torchrun starts the group again (--max-restarts 1), it takes group 0's step and state at the next
-    outer sync, and both end on the same weights (step 24 is a sync)."""
+    of different sizes and layouts (1 rank of DDP, and 2 ranks of ZeRO-3 shards: they meet in one canonical
+    slot each; the second rank of group 1 takes the decisions from its rank 0). Group 1's rank 0 crashes
+    before step 7; torchrun starts the group again (--max-restarts 1), it takes group 0's step and state at
+    the next outer sync (in slots: its shards are not group 0's pieces), and both end on the same weights
+    (step 24 is a sync)."""
     from test_checkpoint import tiny_config
 
     from tessera.export import load_full_model_state
 
-    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True, "sizes": [1, 2]}
+    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True, "sizes": [1, 2],
+              "layouts": [{}, {"zero": 3}]}  # fmt: skip
     config = tiny_config(tmp_path / "runs", 24, 8, {"preset": "ddp", "groups": groups})
     config["train"]["log_every"] = 4
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
@@ -253,7 +255,9 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
     assert "2 groups of 1, 2 ranks, each its own job" in proc.stdout
     assert "group 1 rejoined: took step" in proc.stdout, proc.stdout[-3000:]
     run = tmp_path / "runs" / "t"
-    final = [load_full_model_state(run / f"group_{g}" / "checkpoints" / "step_00000024" / f"group_{g}") for g in (0, 1)]
+    ends = [run / f"group_{g}" / "checkpoints" / "step_00000024" for g in (0, 1)]
+    assert [json.loads((end / "meta.json").read_text())["plan"]["zero"] for end in ends] == [0, 3]  # its own layout
+    final = [load_full_model_state(ends[g] / f"group_{g}") for g in (0, 1)]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0]), "the groups ended apart"
     # each group's checkpoint holds its own folder: merge takes both, one island each, and they agree
@@ -295,8 +299,12 @@ def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
     check_group_job(groups, 0, Plan().resolve(2), 2)
     with pytest.raises(PlanError, match=r"sizes\[1\]=1 but group 1's job has 2 ranks"):
         check_group_job(groups, 1, Plan().resolve(2), 2)
-    with pytest.raises(NotSupportedYet, match="sync whole replicas"):
-        check_group_job(groups, 0, Plan(zero=3).resolve(2), 2)
+    check_group_job(groups, 0, Plan(zero=3).resolve(2), 2)  # shards meet the others in canonical slots
+    with pytest.raises(NotSupportedYet, match="pipeline stages"):
+        check_group_job(groups, 0, Plan(pp=2, pipeline={"microbatches": 2}).resolve(2), 2)
+    alike = Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {"zero": 3}))
+    assert not alike.differ and Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {})).differ
+    assert alike.layout_fields(1) == {"zero": 3} and Groups(count=2).layout_fields(1) == {}
 
 
 def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_does(tmp_path: Path) -> None:

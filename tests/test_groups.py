@@ -425,6 +425,10 @@ def test_islands_never_meet(runs: dict) -> None:
         ({"sizes": [3, 1]}, 4, PlanError, "differ: groups of different sizes run as separate jobs"),
         ({"sizes": [2, 2, 2]}, 6, PlanError, "sizes must list the ranks of each of the 2 groups"),
         ({"sizes": [3, 3]}, 4, PlanError, r"sizes=\[3, 3\] make 6 ranks but 4 were launched"),
+        ({"layouts": [{"zero": 3}, {}]}, 4, PlanError, "each group is its own job: set fault_tolerant: true"),
+        ({"fault_tolerant": True, "layouts": [{}]}, 4, PlanError, "one mapping per group \\(2\\)"),
+        ({"fault_tolerant": True, "layouts": [{"pp": 2}, {}]}, 4, PlanError, r"layouts\[0\] has no field 'pp'"),
+        ({"fault_tolerant": True, "layouts": [{"zero": 4}, {}]}, 4, PlanError, "zero must be 0, 1, 2 or 3"),
     ],
 )
 def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, match: str) -> None:

@@ -70,17 +70,19 @@ class _Done:
 
 
 def check_group_job(groups: Groups, group: int, plan: Plan, world: int) -> None:
-    """This job's ranks against ``groups.sizes``, and an inner layout (``plan``, resolved) that groups of
-    different sizes can sync: whole replicas on every rank."""
+    """This job's ranks against ``groups.sizes``, and an inner layout (``plan``, resolved) that groups which
+    differ can sync in canonical slots: replicas or shards of every parameter on every rank."""
     if groups.sizes is not None and groups.sizes[group] != world:
         raise PlanError(
             f"Plan.groups.sizes[{group}]={groups.sizes[group]} but group {group}'s job has {world} ranks: launch "
             f"{groups.sizes[group]} (tessera train gives each group its size) or change the sizes."
         )
-    if groups.uneven and (plan.zero >= 2 or plan.tp > 1 or plan.pp > 1 or plan.ulysses_size > 1):
+    if groups.differ and (plan.pp > 1 or plan.ulysses_size > 1 or plan.replicas is not None):
         raise NotSupportedYet(
-            f"Plan.groups.sizes={list(groups.sizes or ())} differ: such groups sync whole replicas, so lay them out "
-            "with data parallelism and ZeRO-0 or 1 (not yet zero 2/3, tp, pp or sp)."
+            "Plan.groups: groups that differ in size or layout meet in canonical slots, which every rank of a "
+            "group cuts from the whole model; lay them out with data parallelism, ZeRO or tensor parallelism "
+            "(pipeline stages, sequence parallelism and replicas of different depth inside them are not "
+            "supported yet)."
         )
 
 
@@ -168,6 +170,10 @@ class TorchftAcross(Across):
         self.extra = size > self.slots  # ranks past the slots wait for rank 0's word
         self.outer: OuterSync | None = None
         self.healed = False
+        # Groups that differ heal in canonical slots: the state this rank serves (cut before each quorum, when
+        # every rank of the group can take part) and the one it took (turned into pieces after the quorum).
+        self.served: dict[str, Any] | None = None
+        self.taken: dict[str, Any] | None = None
         self.syncs: list[dict[str, Any]] = []  # per sync: groups taking part, healed, committed (for logs)
         self.manager: Any = None
         if self.rank >= self.slots:
@@ -212,11 +218,14 @@ class TorchftAcross(Across):
             return
 
         def load(state: dict[str, Any]) -> None:
-            outer.load_heal_state(state)
+            if outer.canonical:
+                self.taken = state  # made pieces in begin(), by every rank of the group
+            else:
+                outer.load_heal_state(state)
             self.healed = True
 
         def serve() -> dict[str, Any]:  # torchft sends it to the group coming back: counted as sent across
-            state = outer.heal_state()
+            state = self.served if outer.canonical else outer.heal_state()
             traffic.finish(traffic.count_across_groups("whole", traffic.tensor_bytes(state), 2))
             return state
 
@@ -231,8 +240,10 @@ class TorchftAcross(Across):
         return box[0]
 
     def begin(self) -> bool:
-        self.healed = False
+        self.healed, self.taken = False, None
         groups = 0
+        if self.outer is not None and self.outer.canonical:
+            self.served = self.outer.slot_heal_state()  # every rank of the group: a sharded one gathers
         if self.manager is not None:
             if self.outer is not None:
                 # torchft heals the groups whose step is behind the quorum's highest. Its own count starts at 0
@@ -243,7 +254,13 @@ class TorchftAcross(Across):
             self.manager.start_quorum()
             groups = self.manager.num_participants()
         healed, groups = self._from_rank0((self.healed, groups))
-        if healed and self.extra:  # the ranks past the slots take the state rank 0 just took
+        if healed and self.outer is not None and self.outer.canonical:  # every rank: its pieces from the slots
+            taken = self.taken
+            shape = None if taken is None else {
+                "step": taken["step"], "due": taken["due"], "momentum": ["momentum" in f for f in taken["fragments"]]
+            }  # fmt: skip
+            self.outer.load_slot_heal_state(taken, self._from_rank0(shape))
+        elif healed and self.extra:  # the ranks past the slots take the state rank 0 just took
             assert self.outer is not None
             state = self._from_rank0(self.outer.heal_state() if self.rank == 0 else None)
             if self.manager is None:

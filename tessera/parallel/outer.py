@@ -256,14 +256,16 @@ class OuterSync:
         return whole[:numel]
 
     # ------------------------------------------------------------------ canonical slots of a sharded group
+    def _slot_size(self, fragment: _Fragment) -> int:
+        """Values per slot: the fragment's whole parameters cut into ``slots`` runs of whole quantiser blocks."""
+        n = self.slots or 1
+        return -(-sum(p.numel() for p in fragment.params) // (n * BLOCK)) * BLOCK
+
     def _slot_bounds(self, fragment: _Fragment) -> tuple[int, int, int]:
         """(slot size, this rank's slot start, end) in the fragment's canonical flat: every parameter whole,
         in order, cut into ``slots`` runs of whole quantiser blocks (as a group of whole replicas cuts it)."""
-        n = self.slots or 1
-        total = sum(p.numel() for p in fragment.params)
-        size = -(-total // (n * BLOCK)) * BLOCK
-        index = dist.get_rank(self.inside)
-        return (size, index * size, (index + 1) * size) if index < n else (size, 0, 0)
+        size, index = self._slot_size(fragment), dist.get_rank(self.inside)
+        return (size, index * size, (index + 1) * size) if index < (self.slots or 1) else (size, 0, 0)
 
     def _cut_slot(self, flat: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
         """This rank's canonical slot of the fragment's values, from its shards: each parameter gathered whole
@@ -406,6 +408,45 @@ class OuterSync:
             fragment.restart(fragment.pieces, due=0)
 
     # ------------------------------------------------------------------ a group coming back
+    @property
+    def canonical(self) -> bool:
+        """Whether the groups meet in canonical slots (they differ in size or layout): a group coming back then
+        takes the slots of a live group's state, not its local pieces, which another layout does not share."""
+        return self.slots is not None
+
+    @torch.no_grad()
+    def slot_heal_state(self) -> dict[str, Any]:
+        """What a group coming back takes from this one when they differ: the inner step count, and this rank's
+        slot of each fragment's agreed weights and outer momentum. Every rank of the group calls it together
+        (a sharded group gathers each parameter to cut its slot)."""
+        fragments = []
+        for fragment in self.fragments:
+            momentum = [fragment.optimizer.state.get(a, {}).get("momentum_buffer") for a in fragment.agreed]
+            flats = {"agreed": torch.cat([a.flatten() for a in fragment.agreed])}
+            if all(m is not None for m in momentum):
+                flats["momentum"] = torch.cat([m.flatten() for m in momentum])
+            fragments.append({k: self._slice(v, fragment) for k, v in flats.items()})
+        return {"step": self.step, "due": [f.due for f in self.fragments], "fragments": fragments}
+
+    @torch.no_grad()
+    def load_slot_heal_state(self, state: dict[str, Any] | None, shape: dict[str, Any]) -> None:
+        """Continue from a live group's :meth:`slot_heal_state`, which this rank holds if it has a slot (else
+        None); ``shape`` (the same on every rank of the group): its step, each fragment's due step and whether
+        it carries momentum. Every rank of the group calls it together; each takes its pieces from the slots."""
+        self.step = int(shape["step"])
+        for f, fragment in enumerate(self.fragments):
+            numel = sum(a.numel() for a in fragment.agreed)
+            blank = fragment.agreed[0].new_zeros(self._slot_size(fragment))
+            slots = state["fragments"][f] if state is not None else {}
+            agreed = self._split(fragment, self._whole(slots.get("agreed", blank), numel, fragment))
+            fragment.restart(agreed, int(shape["due"][f]))
+            for piece, value in zip(fragment.pieces, agreed):
+                piece.copy_(value)
+            if shape["momentum"][f]:
+                momentum = self._split(fragment, self._whole(slots.get("momentum", blank), numel, fragment))
+                for a, value in zip(fragment.agreed, momentum):
+                    fragment.optimizer.state[a]["momentum_buffer"] = value.clone()
+
     def heal_state(self) -> dict[str, Any]:
         """What a group coming back takes from this one, rank for rank (same layout, so local pieces): the
         inner step count, each fragment's agreed weights and outer momentum, and the weights themselves.
