@@ -74,6 +74,8 @@ class Booster:
             assert self.groups is not None
             self.group_index = fault_tolerant.group_from_env(self.groups.count)
             layout = self.groups.layout_fields(self.group_index)  # what this group lays out its own way
+            if "pipeline" in layout:
+                layout["pipeline"] = dataclasses.replace(plan.pipeline, **layout["pipeline"])
             self.plan = dataclasses.replace(plan, groups=None, **layout).resolve(world)
             fault_tolerant.check_group_job(self.groups, self.group_index, self.plan, world)
         else:
@@ -171,6 +173,7 @@ class Booster:
                 blocks=[name for name, m in module.named_modules() if id(m) in blocks],
                 holders=self._ctx.meshes.grad.get_group(),
                 slots=slots,
+                order=[every[0] for every in names.values()],  # the whole model's, as every group cuts slots
             )
             if isinstance(across, fault_tolerant.TorchftAcross):
                 across.attach(outer)

@@ -28,9 +28,9 @@ Streaming DiLoCo send (:mod:`tessera.parallel.compress`).
 fails does not stop the others and one that comes back takes their state
 (:mod:`tessera.parallel.fault_tolerant`; ``tessera train`` starts a Lighthouse and one job per group).
 Such groups may differ in size (``sizes``: ranks per group, e.g. a region of 8 and one of 4) and in
-layout (``layouts``: per group, the Plan fields it sets for itself, e.g. ZeRO-3 in the small region
-and plain data parallelism in the big one). Groups that differ sync through as many ranks as the
-smallest has, in canonical slots (:class:`tessera.parallel.outer.OuterSync`).
+layout (``layouts``: per group, the Plan fields it sets for itself, e.g. ZeRO-3 in the small region,
+pipeline stages in another and plain data parallelism in the big one). Groups that differ sync
+through as many ranks as the smallest has, in canonical slots (:class:`tessera.parallel.outer.OuterSync`).
 
 Example:
     >>> plan = Plan(zero=2, groups=Groups(count=2, sync="diloco", inner_steps=50))
@@ -61,12 +61,17 @@ class InnerLayout:
 
     zero: int | None = None
     tp: int | None = None
+    pp: int | None = None
+    microbatches: int | None = None  # the pipeline's (Plan.pipeline.microbatches)
     offload: bool | None = None
     recompute: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        """The Plan fields this group sets."""
-        return {k: v for k, v in vars(self).items() if v is not None}
+        """The Plan fields this group sets (``microbatches`` as the Plan's pipeline section)."""
+        out = {k: v for k, v in vars(self).items() if v is not None and k != "microbatches"}
+        if self.microbatches is not None:
+            out["pipeline"] = {"microbatches": self.microbatches}
+        return out
 
 
 def _inner_layout(value: Any, where: str) -> InnerLayout:
@@ -79,13 +84,14 @@ def _inner_layout(value: Any, where: str) -> InnerLayout:
         if key not in names:
             raise PlanError(
                 f"{where} has no field {key!r}{nearest(str(key), names)}: a group may set {', '.join(names)} "
-                "(pipeline and sequence parallelism inside groups that differ are not supported yet)."
+                "(sequence parallelism inside groups that differ is not supported yet)."
             )
-    zero, tp = value.get("zero"), value.get("tp")
+    zero = value.get("zero")
     if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
         raise PlanError(f"{where}.zero must be 0, 1, 2 or 3, got {shown(zero)}.")
-    if tp is not None:
-        _positive_int(f"{where[5:]}.tp", tp, MAX_GROUPS)
+    for name in ("tp", "pp", "microbatches"):
+        if value.get(name) is not None:
+            _positive_int(f"{where[5:]}.{name}", value[name], MAX_GROUPS)
     if value.get("offload") is not None and not isinstance(value["offload"], bool):
         raise PlanError(f"{where}.offload must be true or false, got {shown(value['offload'])}.")
     if value.get("recompute") is not None and value["recompute"] not in RECOMPUTES:

@@ -224,26 +224,31 @@ def test_a_group_that_just_healed_brings_no_change_and_a_failed_commit_is_droppe
 
 def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_path: Path) -> None:
     """`tessera train` with fault-tolerant groups on one machine: a Lighthouse and a torchrun job per group,
-    of different sizes and layouts (1 rank of DDP, and 2 ranks of ZeRO-3 shards: they meet in one canonical
-    slot each; the second rank of group 1 takes the decisions from its rank 0). Group 1's rank 0 crashes
-    before step 7; torchrun starts the group again (--max-restarts 1), it takes group 0's step and state at
-    the next outer sync (in slots: its shards are not group 0's pieces), and both end on the same weights
+    of different sizes and layouts: 1 rank of DDP, 2 ranks of ZeRO-3 shards, and 2 pipeline stages. They
+    meet in one canonical slot each (the shards gather each parameter to cut it, the stages send theirs; the
+    second rank of groups 1 and 2 takes the decisions from its rank 0). Group 1's rank 0 crashes before step
+    7; torchrun starts the group again (--max-restarts 1), it takes a live group's step and state at the next
+    outer sync (in slots: its shards are not another layout's pieces), and all three end on the same weights
     (step 24 is a sync)."""
     from test_checkpoint import tiny_config
 
     from tessera.export import load_full_model_state
 
-    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True, "sizes": [1, 2],
-              "layouts": [{}, {"zero": 3}]}  # fmt: skip
+    groups = {"count": 3, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True, "sizes": [1, 2, 2],
+              "shares": [2, 1, 1], "layouts": [{}, {"zero": 3}, {"pp": 2, "microbatches": 2}]}  # fmt: skip
     config = tiny_config(tmp_path / "runs", 24, 8, {"preset": "ddp", "groups": groups})
     config["train"]["log_every"] = 4
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
-    # Both groups hold before step 1 until the other has started (a sync waits only for a group that is up:
-    # without this the first to start may sync alone and the crash come before they ever met); group 1's
-    # rank 0 then crashes before step 7. Group 0 holds again before step 9: a restart slower than the
-    # Lighthouse's heartbeat timeout (a loaded machine) would otherwise find group 0 done with all 24 steps.
-    env = {**os.environ, "TESSERA_FAULT": "group0:hang:0:1:5,group1:hang:0:1:5,group1:0:7,group0:hang:0:9:15"}
-    command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "3", "--max-restarts", "1"]
+    # Every group holds before step 1 until the others have started (a sync waits only for a group that is
+    # up: without this the first to start may sync alone and the crash come before they ever met); group
+    # 1's rank 0 then crashes before step 7. Groups 0 and 2 hold again before step 9: a restart slower than
+    # the Lighthouse's heartbeat timeout (a loaded machine) would otherwise find them done with all 24 steps.
+    env = {
+        **os.environ,
+        "TESSERA_FAULT": "group0:hang:0:1:5,group1:hang:0:1:5,group2:hang:0:1:5,group1:0:7,group0:hang:0:9:15,"
+        "group2:hang:0:9:15",
+    }
+    command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "5", "--max-restarts", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "tessera.cli", *command],
         env=env,
@@ -252,28 +257,31 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 groups of 1, 2 ranks, each its own job" in proc.stdout
+    assert "3 groups of 1, 2, 2 ranks, each its own job" in proc.stdout
     assert "group 1 rejoined: took step" in proc.stdout, proc.stdout[-3000:]
     run = tmp_path / "runs" / "t"
-    ends = [run / f"group_{g}" / "checkpoints" / "step_00000024" for g in (0, 1)]
-    assert [json.loads((end / "meta.json").read_text())["plan"]["zero"] for end in ends] == [0, 3]  # its own layout
-    final = [load_full_model_state(ends[g] / f"group_{g}") for g in (0, 1)]
-    assert final[0].keys() == final[1].keys()
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0]), "the groups ended apart"
-    # each group's checkpoint holds its own folder: merge takes both, one island each, and they agree
+    ends = [run / f"group_{g}" / "checkpoints" / "step_00000024" for g in range(3)]
+    plans = [json.loads((end / "meta.json").read_text())["plan"] for end in ends]
+    assert [(p["zero"], p["pp"]) for p in plans] == [(0, 1), (3, 1), (0, 2)]  # each its own layout
+    final = [load_full_model_state(ends[g] / f"group_{g}") for g in range(3)]
+    assert final[0].keys() == final[1].keys() == final[2].keys()
+    for g in (1, 2):
+        assert all(torch.equal(final[0][k], final[g][k]) for k in final[0]), f"group {g} ended apart"
+    # each group's checkpoint holds its own folder: merge takes them all, one island each, and they agree
     from tessera.merge import merge
 
-    report, _ = merge([run / f"group_{g}" / "checkpoints" / "step_00000024" for g in (0, 1)], eval_bytes=4096)
+    report, _ = merge(ends, eval_bytes=4096)
     islands = sorted(name for name in report.losses if name not in ("average", "ensemble"))
-    assert len(islands) == 2 and islands[0].endswith("group_0") and islands[1].endswith("group_1"), islands
-    assert report.losses[islands[0]] == report.losses[islands[1]] == report.losses["average"]
-    for g in (0, 1):  # and the syncs were applied, not dropped: both learned
+    assert [name[-7:] for name in islands] == ["group_0", "group_1", "group_2"], islands
+    assert len({report.losses[name] for name in islands}) == 1
+    assert report.losses[islands[0]] == pytest.approx(report.losses["average"], rel=1e-6)
+    for g in range(3):  # and the syncs were applied, not dropped: all learned
         records = [json.loads(line) for line in (run / f"group_{g}" / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in records]
         assert losses[-1] < losses[0] - 0.3, (g, losses)
         syncs = [s for r in records for s in r.get("outer_syncs", [])]  # each sync's quorum, in metrics.jsonl
         assert syncs and all(s["committed"] for s in syncs), syncs
-        assert any(s["healed"] for s in syncs) == (g == 1), syncs  # group 1 took group 0's state once
+        assert any(s["healed"] for s in syncs) == (g == 1), syncs  # group 1 took a live group's state once
 
 
 def test_a_group_job_that_does_not_say_which_group_it_is_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,11 +308,14 @@ def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
     with pytest.raises(PlanError, match=r"sizes\[1\]=1 but group 1's job has 2 ranks"):
         check_group_job(groups, 1, Plan().resolve(2), 2)
     check_group_job(groups, 0, Plan(zero=3).resolve(2), 2)  # shards meet the others in canonical slots
-    with pytest.raises(NotSupportedYet, match="pipeline stages"):
-        check_group_job(groups, 0, Plan(pp=2, pipeline={"microbatches": 2}).resolve(2), 2)
+    check_group_job(groups, 0, Plan(pp=2, pipeline={"microbatches": 2}).resolve(2), 2)  # stages send theirs
+    with pytest.raises(NotSupportedYet, match="sequence parallelism"):
+        check_group_job(groups, 0, Plan(sp=2).resolve(2), 2)
     alike = Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {"zero": 3}))
     assert not alike.differ and Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {})).differ
     assert alike.layout_fields(1) == {"zero": 3} and Groups(count=2).layout_fields(1) == {}
+    staged = Groups(count=2, fault_tolerant=True, layouts=({"pp": 2, "microbatches": 4}, {}))
+    assert staged.layout_fields(0) == {"pp": 2, "pipeline": {"microbatches": 4}}
 
 
 def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_does(tmp_path: Path) -> None:

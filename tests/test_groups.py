@@ -56,41 +56,64 @@ def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
     return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index, "sent": sent}
 
 
-def unlike_groups_worker(steps: int = STEPS) -> dict:
+def unlike_groups_worker(second: str, steps: int = STEPS) -> dict:
     """Two groups laid out differently, meeting in canonical slots: group 0 (ranks 0, 1) shards every
-    parameter with FSDP2 (ZeRO-3), group 1 (ranks 2, 3) holds whole replicas and averages its gradients
-    itself. DiLoCo with H = 1, inner SGD, outer lr 1 and no outer momentum: synchronous SGD."""
+    parameter with FSDP2 (ZeRO-3); group 1 (ranks 2, 3) holds whole replicas and averages its gradients
+    itself (``second`` "replicas"), splits the model tensor-parallel over its two ranks ("tp"), or holds
+    it as two pipeline stages ("stages": rank 2 the embedding and layer 0, rank 3 the rest; both compute
+    the whole model here, and after each sync each takes the other stage's weights from its holder, as a
+    pipeline's stages never need them). DiLoCo with H = 1, inner SGD, outer lr 1 and no outer momentum:
+    synchronous SGD."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from tessera.models.policies import find_policy
     from tessera.parallel.outer import MeshAcross, OuterSync
+    from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (GROUPS, 2), mesh_dim_names=("group", "dp"))
     group, inside = rank // 2, mesh["dp"].get_group()
     model = build_model("llama")
+    tp = group == 1 and second == "tp"
+    staged = group == 1 and second == "stages"
+    first_stage = ("tok_embeddings.", "layers.0.")
+    stage_of = {n: 0 if n.startswith(first_stage) else 1 for n, _ in model.named_parameters()}
     if group == 0:
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif tp:
+        apply_tensor_parallel(model, model, find_policy(model), mesh["dp"])
     opt = _inner_optimizer("sgd", model.parameters())
     spec = Groups(count=GROUPS, sync="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     across = MeshAcross(mesh["group"].get_group())  # rank r of each group: slot r
-    outer = OuterSync(dict(model.named_parameters()), across, spec, [0.5, 0.5], group, members=inside, slots=2)
+    held = {n: p for n, p in model.named_parameters() if not staged or stage_of[n] == rank - 2}
+    order = [n for n, _ in model.named_parameters()]
+    if staged and rank == 3:  # a stage may hold its parameters in another order (tessera's last stage does)
+        held = dict(reversed(held.items()))
+    outer = OuterSync(held, across, spec, [0.5, 0.5], group, members=inside, slots=2, order=order)
     losses = []
     for x, y in global_batches(TokenData(), GLOBAL_BATCH, steps):
-        mine = slice(2 * rank, 2 * rank + 2)  # each rank a quarter of the global batch
+        # a quarter of the global batch per rank; tensor parallel ranks share their group's half
+        mine = slice(4, 8) if tp or staged else slice(2 * rank, 2 * rank + 2)
         loss = loss_fn(model(x[mine]), y[mine])
         loss.backward()
-        if group == 1:  # whole replicas: average the group's gradients (FSDP does it in group 0)
+        if tp:
+            align_grad_placements(model.parameters())
+        elif group == 1 and not staged:  # whole replicas: average the group's gradients (FSDP does it in group 0)
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=inside)
                 p.grad /= 2
         opt.step()
         opt.zero_grad()
         outer.after_inner_step()
-        mean = loss.detach().clone()
+        if staged:  # each stage's weights from the rank that holds (and synced) them
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    dist.broadcast(p, src=2 + stage_of[n], group=inside)
+        mean = loss.detach().clone()  # tp, stages: each rank holds its group's mean over 4 samples
         dist.all_reduce(mean)
         losses.append(float(mean) / 4)
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
@@ -300,7 +323,9 @@ def runs(train_roots: dict[str, Path]) -> dict[str, list]:
     calls["refusals"] = (refusals, (str(train_roots["refusals"]),))
     calls["warm"] = (warm_start, (str(train_roots["warm"]),))
     calls["fragments"] = (refused_fragments, ())
-    calls["unlike groups"] = (unlike_groups_worker, ())
+    calls["unlike groups"] = (unlike_groups_worker, ("replicas",))
+    calls["unlike groups tp"] = (unlike_groups_worker, ("tp",))
+    calls["unlike groups stages"] = (unlike_groups_worker, ("stages",))
     return run_shared(4, calls)
 
 
@@ -322,11 +347,13 @@ def test_diloco_with_one_inner_sgd_step_is_synchronous_sgd(runs: dict) -> None:
     _same(got, synchronous_reference(STEPS))
 
 
-def test_groups_laid_out_differently_meet_in_canonical_slots(runs: dict) -> None:
-    """One group of FSDP shards, one of whole replicas: each cuts the same flat of whole parameters into
-    slots (the sharded one gathering each parameter inside the group, then taking its shards back), so
-    DiLoCo that reduces to synchronous SGD still does."""
-    got = runs["unlike groups"]
+@pytest.mark.parametrize("case", ["unlike groups", "unlike groups tp", "unlike groups stages"])
+def test_groups_laid_out_differently_meet_in_canonical_slots(runs: dict, case: str) -> None:
+    """One group of FSDP shards, the other of whole replicas, tensor-parallel shards or pipeline stages: each
+    cuts the same flat of whole parameters into slots (a sharded one gathering each parameter inside the
+    group, a staged one sending it from its stage, then each taking its pieces back), so DiLoCo that reduces
+    to synchronous SGD still does."""
+    got = runs[case]
     assert [r["group"] for r in got] == [0, 0, 1, 1]
     _same(got, synchronous_reference(STEPS))
 
@@ -427,7 +454,7 @@ def test_islands_never_meet(runs: dict) -> None:
         ({"sizes": [3, 3]}, 4, PlanError, r"sizes=\[3, 3\] make 6 ranks but 4 were launched"),
         ({"layouts": [{"zero": 3}, {}]}, 4, PlanError, "each group is its own job: set fault_tolerant: true"),
         ({"fault_tolerant": True, "layouts": [{}]}, 4, PlanError, "one mapping per group \\(2\\)"),
-        ({"fault_tolerant": True, "layouts": [{"pp": 2}, {}]}, 4, PlanError, r"layouts\[0\] has no field 'pp'"),
+        ({"fault_tolerant": True, "layouts": [{"sp": 2}, {}]}, 4, PlanError, r"layouts\[0\] has no field 'sp'"),
         ({"fault_tolerant": True, "layouts": [{"zero": 4}, {}]}, 4, PlanError, "zero must be 0, 1, 2 or 3"),
     ],
 )

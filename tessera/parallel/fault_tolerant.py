@@ -77,12 +77,11 @@ def check_group_job(groups: Groups, group: int, plan: Plan, world: int) -> None:
             f"Plan.groups.sizes[{group}]={groups.sizes[group]} but group {group}'s job has {world} ranks: launch "
             f"{groups.sizes[group]} (tessera train gives each group its size) or change the sizes."
         )
-    if groups.differ and (plan.pp > 1 or plan.ulysses_size > 1 or plan.replicas is not None):
+    if groups.differ and (plan.ulysses_size > 1 or plan.replicas is not None):
         raise NotSupportedYet(
-            "Plan.groups: groups that differ in size or layout meet in canonical slots, which every rank of a "
-            "group cuts from the whole model; lay them out with data parallelism, ZeRO or tensor parallelism "
-            "(pipeline stages, sequence parallelism and replicas of different depth inside them are not "
-            "supported yet)."
+            "Plan.groups: groups that differ in size or layout meet in canonical slots of the whole model; lay "
+            "them out with data parallelism, ZeRO, tensor or pipeline parallelism (sequence parallelism and "
+            "replicas of different depth inside them are not supported yet)."
         )
 
 

@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,6 +87,20 @@ class MeshAcross(Across):
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
         return dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
+
+
+@dataclass
+class _Whole:
+    """A parameter of the whole model as groups that differ cut their slots: its name, shape and the ranks of
+    this group that hold it (all of them, or one pipeline stage's)."""
+
+    name: str
+    shape: tuple[int, ...]
+    holders: list[int]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class _Fragment:
@@ -144,6 +160,7 @@ class OuterSync:
         blocks: list[str] | None = None,
         holders: dist.ProcessGroup | None = None,
         slots: int | None = None,
+        order: list[str] | None = None,
     ) -> None:
         self.spec, self.weight, self.index, self.members = spec, weights[index], index, members
         self.across = group if isinstance(group, Across) else MeshAcross(group)
@@ -159,23 +176,49 @@ class OuterSync:
         # has ranks (``slots``): the holders past them send nothing across and take the averaged slots from
         # the others. Given, the slots are cut even in a group of one rank, so every group sends the same.
         self.slots = slots
-        self.inside = members  # a sharded group's ranks, which gather its parameters whole to cut slots
-        if slots is not None and self.sharded:
-            spans = {p.device_mesh.size() for p in params.values() if isinstance(p, DTensor)}
-            if members is None or spans != {dist.get_world_size(members)}:
-                raise NotSupportedYet(
-                    "groups that differ in size or layout sync sharded parameters through the whole group, and "
-                    "here a shard's mesh is not the group's ranks (pipeline stages inside such groups are not "
-                    "supported yet)."
-                )
-        replicas = self.replicas if not (slots and self.sharded) else self.inside
-        self.sends = replicas is None or dist.get_rank(replicas) < (slots or dist.get_world_size(replicas))
+        self.inside = members  # the group's ranks: a sharded or staged group cuts its slots over all of them
         which = fragment_of(list(params), blocks or [], spec.fragments)
         self.fragments = [
             _Fragment({n: p for (n, p), f in zip(params.items(), which) if f == fragment}, spec)
             for fragment in range(spec.fragments)
         ]
+        # A group of shards, or of pipeline stages, cuts its slots from parameters gathered or sent whole
+        # inside the group: the whole model's parameters, in order, and which ranks hold each.
+        self.canon: list[list[_Whole]] | None = None
+        if slots is not None and members is not None:
+            self.canon = self._canonical_order(params, spec, order)
+        replicas = self.replicas if self.canon is None else self.inside
+        self.sends = replicas is None or dist.get_rank(replicas) < (slots or dist.get_world_size(replicas))
         self.step = 0  # inner steps taken
+
+    def _canonical_order(
+        self, params: dict[str, nn.Parameter], spec: Groups, order: list[str] | None
+    ) -> list[list[_Whole]] | None:
+        """Each fragment's whole parameters in the order every group cuts them, the model's (``order``: its
+        parameter names; a pipeline stage may hold its own in another order), with the ranks holding each;
+        None when every rank holds every parameter whole (replicas cut their own flat, in the model's order)."""
+        mine = [(n, tuple(p.shape), isinstance(p, DTensor)) for n, p in params.items()]
+        held: list[Any] = [None] * dist.get_world_size(self.inside)
+        dist.all_gather_object(held, mine, group=self.inside)
+        staged = any([n for n, _, _ in names] != [n for n, _, _ in held[0]] for names in held)
+        if not staged and not any(sharded for _, _, sharded in mine):
+            return None
+        if staged and spec.fragments > 1:
+            raise NotSupportedYet(
+                "Streaming DiLoCo's fragments across groups that differ, with pipeline stages inside them, are not "
+                "supported yet: use sync: diloco there (or lay the groups out alike)."
+            )
+        entries: dict[str, _Whole] = {}
+        for rank, names in enumerate(held):
+            for name, shape, _ in names:
+                entries.setdefault(name, _Whole(name, shape, [])).holders.append(rank)
+        if staged:
+            rank_of = {name: i for i, name in enumerate(order or entries)}
+            missing = [name for name in entries if name not in rank_of]
+            if missing:
+                raise PlanError(f"OuterSync(order=...) lacks parameters the group holds: {missing[:3]}.")
+            return [sorted(entries.values(), key=lambda w: rank_of[w.name])]
+        return [[entries[n] for n in fragment.names] for fragment in self.fragments]
 
     def after_inner_step(self) -> None:
         """Count one inner optimizer step; land the transfers due now, then send the fragments whose
@@ -235,7 +278,7 @@ class OuterSync:
         """This rank's slice of ``flat`` (the fragment's local values) when replicas split the sync or slots
         are canonical, else ``flat``. Slices are whole blocks of the quantiser, so compressing them equals
         compressing the whole, block for block."""
-        if self.slots is not None and self.sharded:
+        if self.canon is not None:
             return self._cut_slot(flat, fragment)
         if self.replicas is None and self.slots is None:
             return flat
@@ -247,7 +290,7 @@ class OuterSync:
 
     def _whole(self, part: torch.Tensor, numel: int, fragment: _Fragment) -> torch.Tensor:
         """The fragment's local values from every slice (the inverse of :meth:`_slice`), ``numel`` long."""
-        if self.slots is not None and self.sharded:
+        if self.canon is not None:
             return self._from_slots(part, fragment)
         if self.replicas is None:
             return part[:numel]  # a slice of one: the whole, maybe padded for slots
@@ -256,10 +299,15 @@ class OuterSync:
         return whole[:numel]
 
     # ------------------------------------------------------------------ canonical slots of a sharded group
+    def _wholes(self, fragment: _Fragment) -> list[_Whole]:
+        assert self.canon is not None
+        return self.canon[self.fragments.index(fragment)]
+
     def _slot_size(self, fragment: _Fragment) -> int:
         """Values per slot: the fragment's whole parameters cut into ``slots`` runs of whole quantiser blocks."""
         n = self.slots or 1
-        return -(-sum(p.numel() for p in fragment.params) // (n * BLOCK)) * BLOCK
+        total = sum(w.numel for w in self._wholes(fragment)) if self.canon else sum(p.numel() for p in fragment.params)
+        return -(-total // (n * BLOCK)) * BLOCK
 
     def _slot_bounds(self, fragment: _Fragment) -> tuple[int, int, int]:
         """(slot size, this rank's slot start, end) in the fragment's canonical flat: every parameter whole,
@@ -268,36 +316,46 @@ class OuterSync:
         return (size, index * size, (index + 1) * size) if index < (self.slots or 1) else (size, 0, 0)
 
     def _cut_slot(self, flat: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
-        """This rank's canonical slot of the fragment's values, from its shards: each parameter gathered whole
-        inside the group (one at a time, so a rank holds one whole parameter beside its slot)."""
+        """This rank's canonical slot of the fragment's values, from its pieces: each parameter gathered whole
+        over its shards, and sent from its first holder to the group's other ranks when not every rank holds
+        it (pipeline stages); one at a time, so a rank holds one whole parameter beside its slot."""
         size, lo, hi = self._slot_bounds(fragment)
-        part = flat.new_zeros(size)
-        offset = 0
-        for param, piece in zip(fragment.params, flat.split([local(p).numel() for p in fragment.params])):
-            whole = _full(param, piece.view(local(param).shape)).flatten()
-            a, b = max(lo, offset), min(hi, offset + whole.numel())
+        part, offset = flat.new_zeros(size), 0
+        pieces = dict(zip(fragment.names, flat.split([local(p).numel() for p in fragment.params])))
+        params = dict(zip(fragment.names, fragment.params))
+        everyone = dist.get_world_size(self.inside)
+        for w in self._wholes(fragment):
+            if w.name in params:
+                whole = _full(params[w.name], pieces[w.name].view(local(params[w.name]).shape)).flatten()
+            else:
+                whole = flat.new_empty(w.numel)
+            if len(w.holders) < everyone:
+                dist.broadcast(whole, src=dist.get_global_rank(self.inside, w.holders[0]), group=self.inside)
+            a, b = max(lo, offset), min(hi, offset + w.numel)
             if a < b:
                 part[a - lo : b - lo] = whole[a - offset : b - offset]
-            offset += whole.numel()
+            offset += w.numel
         return part
 
     def _from_slots(self, part: torch.Tensor, fragment: _Fragment) -> torch.Tensor:
         """The fragment's local values from the group's slots (the inverse of :meth:`_cut_slot`): each
-        parameter's runs broadcast from the ranks whose slots hold them, then this rank's shard taken."""
+        parameter's runs broadcast from the ranks whose slots hold them, then each holder takes its piece."""
         size = self._slot_bounds(fragment)[0]
-        n, pieces, offset, mine = self.slots or 1, [], 0, dist.get_rank(self.inside)
-        for param in fragment.params:
-            whole = part.new_empty(param.numel())
+        n, pieces, offset, mine = self.slots or 1, {}, 0, dist.get_rank(self.inside)
+        params = dict(zip(fragment.names, fragment.params))
+        for w in self._wholes(fragment):
+            whole = part.new_empty(w.numel)
             for r in range(n):
-                a, b = max(r * size, offset), min((r + 1) * size, offset + param.numel())
+                a, b = max(r * size, offset), min((r + 1) * size, offset + w.numel)
                 if a >= b:
                     continue
                 run = part[a - r * size : b - r * size].clone() if mine == r else part.new_empty(b - a)
                 dist.broadcast(run, src=dist.get_global_rank(self.inside, r), group=self.inside)
                 whole[a - offset : b - offset] = run
-            pieces.append(_shard_of(param, whole.view(param.shape)).flatten())
-            offset += param.numel()
-        return torch.cat(pieces)
+            if w.name in params:
+                pieces[w.name] = _shard_of(params[w.name], whole.view(w.shape)).flatten()
+            offset += w.numel
+        return torch.cat([pieces[name] for name in fragment.names]) if pieces else part.new_zeros(0)  # local order
 
     @torch.no_grad()
     def _land(self, fragment: _Fragment) -> None:
