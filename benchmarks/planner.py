@@ -27,7 +27,9 @@ not fit the fast device; the planner's plan, and what it chose instead.
 Part e (the outer level): the same 70B model on 4,608 H100 (8 a node) in 3 regions of 1,536 made
 alike, joined by the default inter-region link (1 GB/s, 50 ms), global batch 1,536: the best plan
 without groups (gradients cross the regions every step) and with one group per region (the outer
-sync the planner picks), with what crosses the regions a step.
+sync the planner picks), with what crosses the regions a step. Then the issue's own shape, whose
+regions are not alike: part b's 4,096 devices (512 nodes of six types, three regions), each region
+planned alone as a fault-tolerant group of its own layout (``unlike_region_candidates``).
 
     python benchmarks/planner.py [--part all|regret|time|family|memory|regions] [--reps 3] [--json out.json]
 """
@@ -249,7 +251,52 @@ def regions_outer() -> dict:
         print(f"{name}: {e.step_s:.3g} s/step ({e.tokens_per_s:,.0f} tokens/s), {rows[name]['plan']}; {e.bottleneck}")
     for note in grouped.notes:
         print(f"  note: {note}")
+    rows["4,096 devices, regions not alike"] = unlike_regions(costs)
     return rows
+
+
+def unlike_regions(costs: Any) -> dict:
+    """Part e, the issue's shape: part b's 4,096-device cluster (six types, three regions not alike) without
+    groups and with a fault-tolerant group per region, each laid out its own way."""
+    from tessera.planner.outer import unlike_region_candidates
+
+    types = ("H100", "A100-80GB", "A100-40GB", "L4", "A10", "RTX4090")
+    cluster, batch = regular_cluster(4096, types, regions=3), 1536
+    start = time.perf_counter()
+    flat = search(cluster, costs, batch, top=1)[0]
+    flat_s = time.perf_counter() - start
+    start = time.perf_counter()
+    (grouped,) = unlike_region_candidates(cluster, costs, batch)
+    grouped_s = time.perf_counter() - start
+    p, g = flat.plan, grouped.plan.groups
+    assert g is not None and g.layouts is not None
+    out = {
+        "without groups": {
+            "plan": f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} m{p.pipeline.microbatches}",
+            "step_s": flat.estimate.step_s,
+            "tokens_per_s": flat.estimate.tokens_per_s,
+            "bottleneck": flat.estimate.bottleneck,
+            "search_s": flat_s,
+        },
+        "a group per region": {
+            "groups": [
+                f"{g.sizes[i] if g.sizes else '?'} ranks, {g.shares[i] if g.shares else '?'} samples: "
+                f"tp{q.tp} pp{q.pp} zero{q.zero} m{q.pipeline.microbatches}"
+                for i, q in enumerate(grouped.plan.group_plan(i) for i in range(g.count))
+            ],
+            "sync": f"{g.sync} H={g.inner_steps}",
+            "step_s": grouped.estimate.step_s,
+            "tokens_per_s": grouped.estimate.tokens_per_s,
+            "outer_sync_s": grouped.estimate.breakdown.get("outer_sync_s", 0.0),
+            "notes": list(grouped.notes),
+            "search_s": grouped_s,
+        },
+    }
+    for name, row in out.items():
+        print(f"4,096 devices, {name}: {row['step_s']:.3g} s/step ({row['tokens_per_s']:,.0f} tokens/s), "
+              f"search {row['search_s']:.1f} s")  # fmt: skip
+    print(f"  note: {grouped.notes[-1]}")
+    return out
 
 
 def main() -> None:

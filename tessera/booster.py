@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,10 +72,10 @@ class Booster:
         if self.fault_tolerant:  # this job is one group: the rest of the Plan lays it out
             assert self.groups is not None
             self.group_index = fault_tolerant.group_from_env(self.groups.count)
-            layout = self.groups.layout_fields(self.group_index)  # what this group lays out its own way
-            if "pipeline" in layout:
-                layout["pipeline"] = dataclasses.replace(plan.pipeline, **layout["pipeline"])
-            self.plan = dataclasses.replace(plan, groups=None, **layout).resolve(world)
+            try:  # laid out its own way (groups.layouts)
+                self.plan = plan.group_plan(self.group_index).resolve(world)
+            except PlanError as exc:
+                raise type(exc)(f"group {self.group_index} of Plan.groups, on its {world} ranks: {exc}") from None
             fault_tolerant.check_group_job(self.groups, self.group_index, self.plan, world)
         else:
             self.plan = plan.resolve(world)

@@ -98,14 +98,25 @@ def _plan(args: argparse.Namespace) -> int:
     for i, c in enumerate(found):
         p, e = c.plan, c.estimate
         fullest = max(m.total / m.capacity for m in e.memory)
-        dp, pp = (len(p.replicas), "mix") if p.replicas else (p.dp, p.pp)
+        own = p.groups is not None and p.groups.layouts is not None  # each group its own layout: lines below
+        dp, pp = (len(p.replicas), "mix") if p.replicas else ("-", "-") if own else (p.dp, p.pp)
+        tp, zero, mb, rc = ("-",) * 4 if own else (p.tp, p.zero, p.pipeline.microbatches, p.recompute)
         print(
-            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {dp:>3} {p.tp:>3} {pp:>3} {p.zero:>4} "
-            f"{p.pipeline.microbatches:>3} {p.recompute:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
+            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {dp:>3} {tp:>3} {pp:>3} {zero:>4} "
+            f"{mb:>3} {rc:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
         )
+        if own:
+            assert p.groups is not None
+            for g in range(p.groups.count):
+                q = p.group_plan(g)
+                print(
+                    f"{'':>3} group {g}: {(p.groups.sizes or ())[g]} ranks, {(p.groups.shares or ())[g]} samples: "
+                    f"tp{q.tp} pp{q.pp} ZeRO-{q.zero} m{q.pipeline.microbatches} recompute {q.recompute}, shares "
+                    f"{q.dp_shares or 'even'}"
+                )  # fmt: skip
         if p.replicas:
             print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
-        elif p.dp_shares or p.pipeline.stages:
+        elif not own and (p.dp_shares or p.pipeline.stages):
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
         if p.groups is not None:  # dp, tp and the shares above are each group's
             g = p.groups
@@ -133,6 +144,21 @@ def _print_launch(plan, cluster, out: str) -> None:
     from tessera.planner.layout import ranks_of
 
     if len(cluster.nodes) == 1:
+        return
+    if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
+        regions: dict[str, list[str]] = {}
+        for node in cluster.nodes:
+            regions.setdefault(node.region, []).append(node.name)
+        lines = [
+            f"group {g} (region {region}: {', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}; "
+            f"{len(nodes)} node(s)): tessera train CONFIG --group {g} --lighthouse http://HOST:PORT "
+            f"--nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
+            for g, (region, nodes) in enumerate(regions.items())
+        ]
+        print(
+            "launch plan 0 as one job per group: start `tessera lighthouse --bind HOST:PORT` on one machine, then\n  "
+            + "\n  ".join(lines)
+        )
         return
     devices = cluster.devices()
     order: list[str] = []

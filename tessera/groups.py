@@ -48,7 +48,7 @@ from tessera.errors import PlanError, nearest
 from tessera.inputs import shown
 
 SYNCS = ("every_step", "diloco", "streaming", "none")
-RECOMPUTES = ("none", "full")
+PIPELINE_FIELDS = ("microbatches", "stages", "schedule")
 
 
 @dataclass(frozen=True)
@@ -62,15 +62,21 @@ class InnerLayout:
     zero: int | None = None
     tp: int | None = None
     pp: int | None = None
-    microbatches: int | None = None  # the pipeline's (Plan.pipeline.microbatches)
     offload: bool | None = None
     recompute: str | None = None
+    dp_shares: tuple[int, ...] | None = None  # samples per data-parallel rank of this group
+    placement: tuple[int, ...] | None = None  # the device each of the group's ranks runs on, in its own file
+    # the pipeline's (Plan.pipeline):
+    microbatches: int | None = None
+    stages: tuple[tuple[int, int], ...] | None = None
+    schedule: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        """The Plan fields this group sets (``microbatches`` as the Plan's pipeline section)."""
-        out = {k: v for k, v in vars(self).items() if v is not None and k != "microbatches"}
-        if self.microbatches is not None:
-            out["pipeline"] = {"microbatches": self.microbatches}
+        """The Plan fields this group sets (``microbatches``, ``stages``, ``schedule`` as its pipeline section)."""
+        out = {k: v for k, v in vars(self).items() if v is not None and k not in PIPELINE_FIELDS}
+        pipeline = {k: getattr(self, k) for k in PIPELINE_FIELDS if getattr(self, k) is not None}
+        if pipeline:
+            out["pipeline"] = pipeline
         return out
 
 
@@ -86,17 +92,13 @@ def _inner_layout(value: Any, where: str) -> InnerLayout:
                 f"{where} has no field {key!r}{nearest(str(key), names)}: a group may set {', '.join(names)} "
                 "(sequence parallelism inside groups that differ is not supported yet)."
             )
-    zero = value.get("zero")
-    if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
-        raise PlanError(f"{where}.zero must be 0, 1, 2 or 3, got {shown(zero)}.")
-    for name in ("tp", "pp", "microbatches"):
-        if value.get(name) is not None:
-            _positive_int(f"{where[5:]}.{name}", value[name], MAX_GROUPS)
-    if value.get("offload") is not None and not isinstance(value["offload"], bool):
-        raise PlanError(f"{where}.offload must be true or false, got {shown(value['offload'])}.")
-    if value.get("recompute") is not None and value["recompute"] not in RECOMPUTES:
-        raise PlanError(f"{where}.recompute must be one of {', '.join(RECOMPUTES)}, got {shown(value['recompute'])}.")
-    return InnerLayout(**value)
+    # The values are the Plan's own: Plan checks them, with the rest of the Plan, when it holds these groups.
+    return InnerLayout(**{k: _as_tuple(v) for k, v in value.items()})
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists from YAML become tuples, so a layout stays hashable (as the Plan does)."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
 COMPRESSIONS = ("none", "bf16", "int8", "int4")  # tessera.parallel.compress

@@ -309,6 +309,9 @@ class Plan:
             object.__setattr__(self, "groups", _from_dict(Groups, self.groups, "groups"))
         if self.groups is not None and not isinstance(self.groups, Groups):
             raise PlanError(f"Plan.groups must be a mapping (count, sync, inner_steps, ...), got {shown(self.groups)}.")
+        if self.groups is not None:
+            for g in range(self.groups.count if self.groups.layouts is not None else 0):
+                self.group_plan(g)  # each group's own layout is a Plan: checked now, named by its group
         if self.dp is not None:
             _check_int("dp", self.dp)
         _check_int("tp", self.tp, maximum=MAX_GROUP)
@@ -620,6 +623,18 @@ class Plan:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 
     # --------------------------------------------------------- serialisation
+    def group_plan(self, group: int) -> Plan:
+        """The Plan group ``group`` of fault-tolerant ``groups`` runs as its own job: these fields, without the
+        groups, with what ``groups.layouts`` sets for that group (a bad value is named by its group)."""
+        assert self.groups is not None
+        fields = self.groups.layout_fields(group)
+        try:
+            if "pipeline" in fields:
+                fields["pipeline"] = dataclasses.replace(self.pipeline, **fields["pipeline"])
+            return dataclasses.replace(self, groups=None, **fields)
+        except PlanError as exc:
+            raise PlanError(f"Plan.groups.layouts[{group}]: {exc}") from None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the Plan (tuples become lists), ready for JSON/YAML."""
         return json.loads(json.dumps(dataclasses.asdict(self)))

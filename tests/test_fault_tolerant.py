@@ -314,8 +314,11 @@ def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
     alike = Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {"zero": 3}))
     assert not alike.differ and Groups(count=2, fault_tolerant=True, layouts=({"zero": 3}, {})).differ
     assert alike.layout_fields(1) == {"zero": 3} and Groups(count=2).layout_fields(1) == {}
-    staged = Groups(count=2, fault_tolerant=True, layouts=({"pp": 2, "microbatches": 4}, {}))
+    staged = Groups(count=2, fault_tolerant=True, layouts=({"pp": 2, "microbatches": 4}, {"dp_shares": [3, 1]}))
     assert staged.layout_fields(0) == {"pp": 2, "pipeline": {"microbatches": 4}}
+    plan = Plan(groups=staged)
+    assert plan.group_plan(0).pipeline.microbatches == 4 and plan.group_plan(1).dp_shares == (3, 1)
+    assert plan.group_plan(1).groups is None and Plan.from_dict(plan.to_dict()) == plan
 
 
 def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_does(tmp_path: Path) -> None:

@@ -455,7 +455,13 @@ def test_islands_never_meet(runs: dict) -> None:
         ({"layouts": [{"zero": 3}, {}]}, 4, PlanError, "each group is its own job: set fault_tolerant: true"),
         ({"fault_tolerant": True, "layouts": [{}]}, 4, PlanError, "one mapping per group \\(2\\)"),
         ({"fault_tolerant": True, "layouts": [{"sp": 2}, {}]}, 4, PlanError, r"layouts\[0\] has no field 'sp'"),
-        ({"fault_tolerant": True, "layouts": [{"zero": 4}, {}]}, 4, PlanError, "zero must be 0, 1, 2 or 3"),
+        ({"fault_tolerant": True, "layouts": [{"zero": 4}, {}]}, 4, PlanError, r"layouts\[0\]: Plan.zero must be"),
+        (
+            {"fault_tolerant": True, "layouts": [{}, {"schedule": "gpipe2"}]},
+            4,
+            PlanError,
+            r"layouts\[1\]: Plan.pipeline.schedule='gpipe2' is not one of",
+        ),
     ],
 )
 def test_bad_groups_are_clear_errors(groups: dict, world: int, error: type, match: str) -> None:

@@ -53,3 +53,22 @@ def test_launch_instructions_for_many_nodes_go_to_a_file(tmp_path: Path, capsys)
     summary = [line for line in out.splitlines() if line.startswith("launch plan 0")]
     assert len(summary) == 1 and "one command per node in" in summary[0], summary
     assert not any(f"n{i} " in summary[0] for i in (1, 2, 3, 4)), summary  # a summary, not the list
+
+
+def test_regions_made_differently_plan_a_job_per_group(tmp_path: Path, capsys) -> None:
+    """Two regions of different devices over a slow link: plan 0 is a fault-tolerant group per region, each laid
+    out its own way; the table shows each group's layout and the launch is a Lighthouse and a job per group."""
+    regions = """\
+nodes:
+  - {name: a, region: east, devices: [{type: A100-80GB, count: 2}]}
+  - {name: b, region: west, devices: [{type: A10, count: 2}]}
+links:
+  inter_region: {bandwidth_gbs: 0.05, latency_us: 50000}
+"""
+    code, out, err = _run(tmp_path, capsys, regions, "--global-batch", "32", "--top", "2")
+    assert code == 0, err
+    assert "each laid out its own way" in out and "group 0: 2 ranks" in out and "group 1: 2 ranks" in out, out
+    assert "tessera lighthouse --bind HOST:PORT" in out and "tessera train CONFIG --group 1" in out, out
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert plan.groups is not None and plan.groups.fault_tolerant and plan.groups.layouts is not None
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"

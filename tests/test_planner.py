@@ -569,5 +569,33 @@ def test_the_planner_puts_a_group_in_each_region_when_the_link_between_is_slow()
     assert [resolved.rank_devices[r].split(":")[0] for r in range(4)] == ["a", "a", "b", "b"]  # group = region
     fast = plan_for(_regions(50.0), model, 16, top=3)
     assert all(c.plan.groups is None or c.plan.groups.sync == "every_step" for c in fast)
-    unlike = plan_for(_regions(0.0025, alike=False), model, 16, top=3)
-    assert all(c.plan.groups is None for c in unlike)  # regions made differently: no groups yet
+
+
+def test_regions_made_differently_get_a_fault_tolerant_group_each_with_its_own_plan() -> None:
+    """Regions not alike: each region searched alone for its share of the batch (shares by speed), run as a
+    fault-tolerant group laid out its own way, DiLoCo with the smallest H within a tenth of the inner step."""
+    from tessera.planner import plan_for
+    from tessera.planner.outer import OUTER_BUDGET, region_cluster, regions_of
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                                  max_seq_len=128))  # fmt: skip
+    cluster = _regions(0.0025, alike=False)
+    best = plan_for(cluster, model, 16, top=3)[0]
+    groups = best.plan.groups
+    assert groups is not None and groups.fault_tolerant and groups.sizes == (2, 2) and groups.sync == "diloco"
+    assert sum(groups.shares or ()) == 16 and groups.shares[1] > groups.shares[0]  # "big" is twice as fast
+    costs = ModelCosts.from_model(model, 128)
+    inner = []
+    for g, nodes in enumerate(regions_of(cluster)):  # each group's plan: the search's on its region alone
+        found = search(region_cluster(cluster, nodes), costs, groups.shares[g], top=1)[0]
+        mine = best.plan.group_plan(g)
+        assert (mine.zero, mine.tp, mine.pp, mine.dp_shares) == (found.plan.zero, found.plan.tp, found.plan.pp,
+                                                                 found.plan.dp_shares)  # fmt: skip
+        mine.resolve(groups.sizes[g])
+        inner.append(found.estimate.step_s)
+    exposed = best.estimate.breakdown["outer_sync_s"]
+    assert best.estimate.step_s == pytest.approx(max(inner) + exposed)
+    whole = exposed * groups.inner_steps  # one sync of the weights; H is the smallest within the budget
+    assert exposed <= OUTER_BUDGET * max(inner) < whole / (groups.inner_steps - 1)
+    assert "regions not alike" in " ".join(best.notes)

@@ -16,7 +16,7 @@ from torch import nn
 from tessera.cluster.spec import Cluster
 from tessera.errors import PlanError
 from tessera.planner.costs import ModelCosts
-from tessera.planner.outer import outer_candidates
+from tessera.planner.outer import outer_candidates, unlike_region_candidates
 from tessera.planner.precision import choose_precision
 from tessera.planner.search import Candidate, search
 from tessera.planner.subsets import on_full_cluster, subsets
@@ -57,6 +57,7 @@ def plan_for(
         costs = costs.with_precision(precision)
     found = search(cluster, costs, global_batch_size, top=top)
     found += outer_candidates(cluster, costs, global_batch_size, top)  # regions alike: a group each
+    found += unlike_region_candidates(cluster, costs, global_batch_size)  # not alike: a job each, its own layout
     if not use_every_device:
         for sub, kept in subsets(cluster, precision):  # without the slowest devices: can a smaller job win?
             try:

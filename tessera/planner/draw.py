@@ -33,16 +33,18 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
         rows, shape = ranks_of(plan, cluster), f"replicas of depths {'+'.join(str(r.depth) for r in plan.replicas)}"
     else:
         rows, shape = layout.pp * len(layout.replicas), f"dp={plan.dp} tp={plan.tp} pp={plan.pp}"
-    if plan.groups is not None:  # the timeline is one group's; the title says how the groups meet
+    own = plan.groups is not None and plan.groups.layouts is not None
+    if own:  # a job per region, each its own layout: the timeline is the first group's
+        shape = f"{plan.groups.count} fault-tolerant groups ({plan.groups.sync}), each laid out its own way"
+    elif plan.groups is not None:  # the timeline is one group's; the title says how the groups meet
         shape = f"{plan.groups.count} groups ({plan.groups.sync}) of {shape}"
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * max(8, rows)))
     _devices(left, plan, cluster, plt.get_cmap("tab20"))
     _timeline(right, layout, costs)
     est = candidate.estimate
-    fig.suptitle(
-        f"{shape} zero={plan.zero} microbatches={plan.pipeline.microbatches}: "
-        f"{est.step_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s; bottleneck: {est.bottleneck}"
-    )
+    inner = "" if own else f" zero={plan.zero} microbatches={plan.pipeline.microbatches}"
+    speed = f"{est.step_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s"
+    fig.suptitle(f"{shape}{inner}: {speed}; bottleneck: {est.bottleneck}")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -65,6 +67,9 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
         if plan.replicas is not None:  # replicas of different depth take consecutive ranks
             position = replica_ranks(plan, rank)
             stage, replica = position.stage, position.index
+        elif plan.groups is not None and plan.groups.fault_tolerant:  # a job per region: its group's colour
+            regions = list(dict.fromkeys(n.region for n in cluster.nodes))
+            stage, replica = regions.index(cluster.node(node).region), rank
         elif plan.groups is not None:  # a group per region, no stages: coloured and labelled by group
             group_size = ranks_of(plan, cluster) // plan.groups.count
             stage, replica = rank // group_size, (rank % group_size) // plan.tp

@@ -3,7 +3,10 @@ inter-region link every step, with DiLoCo, or with Streaming DiLoCo.
 
 When a cluster's regions are alike (the same node types and counts, in the same order), each
 region's ranks become a group laid out by the ordinary search on that region alone and its share
-of the global batch. What the groups send each other decides the outer sync:
+of the global batch. When they are not (:func:`unlike_region_candidates`), each region is searched
+on its own, its share of the batch set by its speed, and the groups run as fault-tolerant jobs,
+each with its own layout (``Plan.groups.layouts``), meeting in canonical slots. What the groups
+send each other decides the outer sync:
 
 - ``every_step`` (hierarchical): every step's gradients cross, a slice per rank;
 - ``diloco``: the fp32 weights cross once every H steps; H is the smallest at which that sync
@@ -231,3 +234,112 @@ def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top
         label = f"{candidate.placement}; one group per region ({count})"
         out.append(Candidate(plan, candidate.layout, estimate, label, (*candidate.notes, outer_choice(options))))
     return out
+
+
+def regions_of(cluster: Cluster) -> list[list[Node]]:
+    """The nodes of each region, regions in the order the cluster file first names them."""
+    regions: dict[str, list[Node]] = {}
+    for node in cluster.nodes:
+        regions.setdefault(node.region, []).append(node)
+    return list(regions.values())
+
+
+def region_cluster(cluster: Cluster, nodes: list[Node]) -> Cluster:
+    """The cluster of ``nodes`` alone (one region), with the links between them."""
+    names = {n.name for n in nodes}
+    pairs = {pair: link for pair, link in cluster.pair_links.items() if pair <= names}
+    return Cluster(tuple(nodes), cluster.device_types, cluster.links, pairs)
+
+
+def _region_plans(subs: list[Cluster], costs: ModelCosts, batches: list[int]) -> list[Candidate] | None:
+    """Each region's fastest plan for its batch that groups which differ can run (no replicas of different
+    depth, no sequence parallelism); None when a region has none."""
+    found = []
+    for sub, batch in zip(subs, batches):
+        try:
+            ranked = search(sub, costs, batch, top=INNER_TOP)
+        except PlanError:
+            return None
+        usable = [c for c in ranked if not c.plan.replicas and c.plan.ulysses_size == 1]
+        if not usable:
+            return None
+        found.append(usable[0])
+    return found
+
+
+def _speed_shares(batches: list[int], plans: list[Candidate], global_batch: int) -> list[int]:
+    """Samples per region in proportion to what each region's plan takes a second, summing to the batch."""
+    rates = [b / c.estimate.step_s for b, c in zip(batches, plans)]
+    shares = [max(1, math.floor(global_batch * r / sum(rates))) for r in rates]
+    while sum(shares) > global_batch:
+        shares[shares.index(max(shares))] -= 1
+    for i in sorted(range(len(rates)), key=lambda i: -rates[i])[: global_batch - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int) -> list[Candidate]:
+    """One fault-tolerant group per region when the regions are not alike: each region searched alone for
+    its share of the batch (set by speed: an even split first, then shares in proportion to what each
+    region's plan takes a second), each group laid out its own way, the outer sync :func:`choose` picks
+    (DiLoCo: fault-tolerant groups sync neither every step nor with a delay). Empty when the
+    regions are alike (:func:`outer_candidates`), fewer than two, or one cannot hold the model."""
+    regions = regions_of(cluster)
+    if len(regions) < 2 or alike_regions(cluster) is not None or global_batch < len(regions):
+        return []
+    count, subs = len(regions), [region_cluster(cluster, nodes) for nodes in regions]
+    batches = [global_batch // count + (g < global_batch % count) for g in range(count)]
+    plans = _region_plans(subs, costs, batches)
+    if plans is None:
+        return []
+    batches = _speed_shares(batches, plans, global_batch)
+    plans = _region_plans(subs, costs, batches)
+    if plans is None:
+        return []
+    inner_s = max(c.estimate.step_s for c in plans)  # the groups meet every H steps: the slowest paces them
+    params = costs.stage_params(0, costs.n_layers)
+    link = min(
+        (cluster.link(a[0].name, b[0].name) for i, a in enumerate(regions) for b in regions[i + 1 :]),
+        key=lambda lk: lk.bandwidth_gbs,
+    )
+    nodes = min(len(r) for r in regions)  # a sync's bytes leave each region over its nodes' paths
+    options = outer_options(inner_s, params, 4, count, lambda n: link.all_reduce_s(n / nodes, count))
+    # fault-tolerant groups sync with delay 0 (a quorum may rebuild the link under a transfer): DiLoCo, whose
+    # whole sync costs what Streaming DiLoCo's fragments would without their overlap
+    options = [o for o in options if o.sync == "diloco"]
+    best = choose(options)
+    layouts = []
+    for c in plans:
+        p = c.plan
+        layout = {"zero": p.zero, "tp": p.tp, "pp": p.pp, "offload": p.offload, "recompute": p.recompute,
+                  "dp_shares": p.dp_shares, "placement": p.placement, "microbatches": p.pipeline.microbatches,
+                  "stages": p.pipeline.stages, "schedule": p.pipeline.schedule}  # fmt: skip
+        layouts.append({k: v for k, v in layout.items() if v is not None})
+    groups = Groups(
+        count=count, sync=best.sync, inner_steps=best.inner_steps, fragments=best.fragments, delay=0,
+        fault_tolerant=True, sizes=tuple(sub.world_size for sub in subs), shares=tuple(batches),
+        layouts=tuple(layouts),
+    )  # fmt: skip
+    plan = Plan(precision=plans[0].plan.precision, groups=groups)
+    step = inner_s + best.exposed_s
+    estimate = replace(
+        plans[0].estimate,
+        step_s=step,
+        tokens_per_s=global_batch * costs.seq_len / step,
+        bottleneck=f"{best.describe()} across {count} regions: {best.exposed_s:.3g} s a step",
+        breakdown={**plans[0].estimate.breakdown, "outer_sync_s": best.exposed_s},
+    )
+    described = "; ".join(
+        f"{len(r)} nodes: dp{c.plan.dp} tp{c.plan.tp} pp{c.plan.pp} ZeRO-{c.plan.zero}, {b} samples, "
+        f"{c.estimate.step_s:.3g} s"
+        for r, c, b in zip(regions, plans, batches)
+    )  # fmt: skip
+    note = (
+        f"regions not alike: each its own plan ({described}), run as fault-tolerant groups (one job per region, "
+        f"meeting through a Lighthouse); outer level: {best.describe()} syncs the weights ({best.sync_s:.3g} s a "
+        f"sync) for {best.exposed_s:.3g} s of a {inner_s:.3g} s inner step, {_size(best.bytes_per_step)} a step "
+        f"across, {_size(best.peak_bytes)} at once — the smallest H within {OUTER_BUDGET:.0%} of the inner steps "
+        "(fault-tolerant groups sync neither every step nor with a delay)"
+    )
+    label = f"one group per region ({count}), each laid out its own way"
+    return [Candidate(plan, plans[0].layout, estimate, label, (*plans[0].notes, note))]
