@@ -44,6 +44,7 @@ STREAMING_FRAGMENTS = (2, 4, 8)
 STREAMING_DELAY = 1
 MAX_H = 10_000
 INNER_TOP = 50  # inner plans searched: the fastest may mix replicas, which groups do not take yet
+SHARE_ROUNDS = 3  # regions not alike: batch shares set by speed, re-searched while the slowest gets faster
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,8 @@ def _speed_shares(batches: list[int], plans: list[Candidate], global_batch: int)
 def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int) -> list[Candidate]:
     """One fault-tolerant group per region when the regions are not alike: each region searched alone for
     its share of the batch (set by speed: an even split first, then shares in proportion to what each
-    region's plan takes a second), each group laid out its own way, the outer sync :func:`choose` picks
+    region's plan takes a second, for up to SHARE_ROUNDS rounds while the slowest region's step shrinks),
+    each group laid out its own way, the outer sync :func:`choose` picks
     (DiLoCo: fault-tolerant groups sync neither every step nor with a delay). Empty when the
     regions are alike (:func:`outer_candidates`), fewer than two, or one cannot hold the model."""
     regions = regions_of(cluster)
@@ -292,10 +294,12 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
     plans = _region_plans(subs, costs, batches)
     if plans is None:
         return []
-    batches = _speed_shares(batches, plans, global_batch)
-    plans = _region_plans(subs, costs, batches)
-    if plans is None:
-        return []
+    for _ in range(SHARE_ROUNDS):  # a step is not linear in the batch (whole micro-batches, pipelines): again
+        shares = _speed_shares(batches, plans, global_batch)
+        again = _region_plans(subs, costs, shares) if shares != batches else None
+        if again is None or max(c.estimate.step_s for c in again) >= max(c.estimate.step_s for c in plans):
+            break
+        batches, plans = shares, again
     inner_s = max(c.estimate.step_s for c in plans)  # the groups meet every H steps: the slowest paces them
     params = costs.stage_params(0, costs.n_layers)
     link = min(
