@@ -596,6 +596,7 @@ def test_regions_made_differently_get_a_fault_tolerant_group_each_with_its_own_p
         inner.append(found.estimate.step_s)
     exposed = best.estimate.breakdown["outer_sync_s"]
     assert best.estimate.step_s == pytest.approx(max(inner) + exposed)
+    assert {m.device for m in best.estimate.memory} == {"cpu", "big"}  # every region's, for the fullest device
     whole = exposed * groups.inner_steps  # one sync of the weights; H is the smallest within the budget
     assert exposed <= OUTER_BUDGET * max(inner) < whole / (groups.inner_steps - 1)
     assert "regions not alike" in " ".join(best.notes)

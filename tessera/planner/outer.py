@@ -326,12 +326,14 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
     )  # fmt: skip
     plan = Plan(precision=plans[0].plan.precision, groups=groups)
     step = inner_s + best.exposed_s
+    slowest = max(plans, key=lambda c: c.estimate.step_s)
     estimate = replace(
-        plans[0].estimate,
+        slowest.estimate,
         step_s=step,
         tokens_per_s=global_batch * costs.seq_len / step,
+        memory=tuple(m for c in plans for m in c.estimate.memory),  # every region's devices
         bottleneck=f"{best.describe()} across {count} regions: {best.exposed_s:.3g} s a step",
-        breakdown={**plans[0].estimate.breakdown, "outer_sync_s": best.exposed_s},
+        breakdown={**slowest.estimate.breakdown, "outer_sync_s": best.exposed_s},
     )
     described = "; ".join(
         f"{len(r)} nodes: dp{c.plan.dp} tp{c.plan.tp} pp{c.plan.pp} ZeRO-{c.plan.zero}, {b} samples, "
@@ -346,4 +348,4 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
         "(fault-tolerant groups sync neither every step nor with a delay)"
     )
     label = f"one group per region ({count}), each laid out its own way"
-    return [Candidate(plan, plans[0].layout, estimate, label, (*plans[0].notes, note))]
+    return [Candidate(plan, slowest.layout, estimate, label, (*slowest.notes, note))]  # the picture: its timeline
