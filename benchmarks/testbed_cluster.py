@@ -119,13 +119,8 @@ def profile_testbed(
 ) -> ProfiledTestbed:
     """Write the testbed's cluster and model files, run `tessera cluster profile --testbed` on them and
     read the measured cluster and costs the planner and the predictors use."""
-    import torch
 
-    from tessera.cluster.spec import Cluster
-    from tessera.planner import ModelCosts
-    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs, relative_speeds
-    from tessera.train.build import build_model
-    from tessera.train.config import load_config
+    from tessera.planner.live_profile import LiveProfile, relative_speeds
 
     work = Path(tempfile.mkdtemp(prefix=prefix))
     spec = cluster_spec(link_mbit, slow_pair_mbit)
@@ -140,11 +135,27 @@ def profile_testbed(
     print(f"profiled in {time.monotonic() - start:.0f} s; relative speeds {relative_speeds(live)}; links:")
     for k in live.links:
         print(f"  {k.nodes[0]} <-> {k.nodes[1]}: {k.bandwidth_gbs * 8e3:.1f} Mbit/s, {k.latency_us:.0f} us")
+    model, cluster, costs = measured_inputs(model_file, spec, live)
+    return ProfiledTestbed(work, spec, cluster_file, model, live, cluster, costs)
+
+
+def measured_inputs(model_file: Path, spec: dict, live: Any) -> tuple[Any, Any, Any]:
+    """What the predictors read from a live profile: the model (meta device), the measured cluster and costs."""
+    import torch
+
+    from tessera.cluster.spec import Cluster
+    from tessera.planner import ModelCosts
+    from tessera.planner.live_profile import measured_cluster, measured_costs
+    from tessera.train.build import build_model
+    from tessera.train.config import load_config
+
     with torch.device("meta"):
         model = build_model(load_config(str(model_file), []))
-    cluster = measured_cluster(Cluster.from_dict(spec), live)
-    costs = measured_costs(live, ModelCosts.from_model(model, SEQ))
-    return ProfiledTestbed(work, spec, cluster_file, model, live, cluster, costs)
+    return (
+        model,
+        measured_cluster(Cluster.from_dict(spec), live),
+        measured_costs(live, ModelCosts.from_model(model, SEQ)),
+    )
 
 
 def predictions(plans: dict[str, tuple[Any, Any]], costs: Any, batch: int = BATCH) -> dict[str, dict[str, float]]:

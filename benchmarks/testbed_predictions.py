@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from testbed_cluster import BATCH, SEQ, cluster_spec, config, profile_testbed, train_records  # noqa: E402
+from testbed_cluster import BATCH, cluster_spec, config, measured_inputs, profile_testbed, train_records  # noqa: E402
 
 # name -> (plan section, ranks). Ranks take cluster devices in order (a:0, a:1, b:0, c:0) unless placed.
 LAYOUTS: dict[str, tuple[dict, int]] = {
@@ -186,24 +186,17 @@ def repredict(path: Path) -> None:
     """Predict a stored run's layouts again from the live profile stored with it; rewrite ``path``."""
     import tempfile
 
-    import torch
     import yaml
 
-    from tessera.cluster.spec import Cluster
-    from tessera.planner import ModelCosts
-    from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs
-    from tessera.train.build import build_model
-    from tessera.train.config import load_config
+    from tessera.planner.live_profile import LiveProfile
 
     stored = json.loads(path.read_text())
     work = Path(tempfile.mkdtemp(prefix="testbed-repredict-"))
     (work / "live.json").write_text(json.dumps(stored["live_profile"]))
-    live = LiveProfile.load(work / "live.json")
     (work / "model.yaml").write_text(yaml.safe_dump(config(work, {"preset": "ddp"}, stored["steps"], "repredict")))
-    with torch.device("meta"):
-        model = build_model(load_config(str(work / "model.yaml"), []))
-    cluster = measured_cluster(Cluster.from_dict(cluster_spec(stored["link_mbit"], stored["slow_link_mbit"])), live)
-    stored["summary"] = predict_rows(stored["rows"], cluster, measured_costs(live, ModelCosts.from_model(model, SEQ)))
+    spec = cluster_spec(stored["link_mbit"], stored["slow_link_mbit"])
+    _, cluster, costs = measured_inputs(work / "model.yaml", spec, LiveProfile.load(work / "live.json"))
+    stored["summary"] = predict_rows(stored["rows"], cluster, costs)
     path.write_text(json.dumps(stored, indent=1, default=str) + "\n")
     print(f"rewrote {path}")
 

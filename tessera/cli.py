@@ -146,14 +146,13 @@ def _print_launch(plan, cluster, out: str) -> None:
     if len(cluster.nodes) == 1:
         return
     if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
-        regions: dict[str, list[str]] = {}
-        for node in cluster.nodes:
-            regions.setdefault(node.region, []).append(node.name)
+        from tessera.planner.outer import regions_of
+
         lines = [
-            f"group {g} (region {region}: {', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}; "
-            f"{len(nodes)} node(s)): tessera train CONFIG --group {g} --lighthouse http://HOST:PORT "
-            f"--nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
-            for g, (region, nodes) in enumerate(regions.items())
+            f"group {g} (region {nodes[0].region}: {', '.join(n.name for n in nodes[:3])}"
+            f"{', ...' if len(nodes) > 3 else ''}; {len(nodes)} node(s)): tessera train CONFIG --group {g} "
+            f"--lighthouse http://HOST:PORT --nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
+            for g, nodes in enumerate(regions_of(cluster))
         ]
         print(
             "launch plan 0 as one job per group: start `tessera lighthouse --bind HOST:PORT` on one machine, then\n  "

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import PlanError, nearest
-from tessera.inputs import shown
+from tessera.inputs import as_tuple, shown
 
 SYNCS = ("every_step", "diloco", "streaming", "none")
 PIPELINE_FIELDS = ("microbatches", "stages", "schedule")
@@ -93,12 +93,7 @@ def _inner_layout(value: Any, where: str) -> InnerLayout:
                 "(sequence parallelism inside groups that differ is not supported yet)."
             )
     # The values are the Plan's own: Plan checks them, with the rest of the Plan, when it holds these groups.
-    return InnerLayout(**{k: _as_tuple(v) for k, v in value.items()})
-
-
-def _as_tuple(value: Any) -> Any:
-    """Lists from YAML become tuples, so a layout stays hashable (as the Plan does)."""
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+    return InnerLayout(**{k: as_tuple(v) for k, v in value.items()})
 
 
 COMPRESSIONS = ("none", "bf16", "int8", "int4")  # tessera.parallel.compress

@@ -34,6 +34,13 @@ def shown(value: Any) -> str:
     return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
 
 
+def as_tuple(value: Any) -> Any:
+    """Lists from JSON/YAML become tuples (nested ones too), so a Plan stays hashable and frozen."""
+    if isinstance(value, list):
+        return tuple(as_tuple(v) for v in value)
+    return value
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader plus floats written without a dot (``1e-3``); no Python tags, as SafeLoader."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from tessera.errors import NotSupportedYet, PlanError, nearest
 from tessera.groups import Groups
-from tessera.inputs import InputError, load_yaml, read_text, shown
+from tessera.inputs import InputError, as_tuple, load_yaml, read_text, shown
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = (
@@ -67,13 +67,6 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise PlanError(f"Plan.{name}={value!r} is not one of {', '.join(choices)}{hint}.")
 
 
-def _as_tuple(value: Any) -> Any:
-    """Lists from JSON/YAML become tuples so a Plan stays hashable and frozen."""
-    if isinstance(value, list):
-        return tuple(_as_tuple(v) for v in value)
-    return value
-
-
 def _check_ranges(name: str, stages: Any) -> None:
     """Stage layer ranges: ``(first, end)`` pairs from layer 0, each starting where the last ended."""
     if not isinstance(stages, tuple) or not stages:
@@ -117,7 +110,7 @@ class PipelineSpec:
     schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", _as_tuple(self.stages))
+        object.__setattr__(self, "stages", as_tuple(self.stages))
         _check_int("pipeline.microbatches", self.microbatches, maximum=MAX_COUNT)
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
         if self.stages is not None:
@@ -211,7 +204,7 @@ class Replica:
     share: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", _as_tuple(self.stages))
+        object.__setattr__(self, "stages", as_tuple(self.stages))
 
     @property
     def depth(self) -> int:
@@ -298,9 +291,9 @@ class Plan:
     groups: Groups | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dp_shares", _as_tuple(self.dp_shares))
-        object.__setattr__(self, "rank_devices", _as_tuple(self.rank_devices))
-        object.__setattr__(self, "placement", _as_tuple(self.placement))
+        object.__setattr__(self, "dp_shares", as_tuple(self.dp_shares))
+        object.__setattr__(self, "rank_devices", as_tuple(self.rank_devices))
+        object.__setattr__(self, "placement", as_tuple(self.placement))
         if isinstance(self.pipeline, dict):
             object.__setattr__(self, "pipeline", _from_dict(PipelineSpec, self.pipeline, "pipeline"))
         if self.replicas is not None:
@@ -733,4 +726,4 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
             raise PlanError(
                 f"{where} has no field {key!r}{nearest(str(key), names)}; valid fields: {', '.join(sorted(names))}."
             )
-    return cls(**{k: _as_tuple(v) for k, v in data.items()})
+    return cls(**{k: as_tuple(v) for k, v in data.items()})

@@ -170,8 +170,8 @@ class OuterSync:
         # stage's data-parallel ranks, not the whole group.
         holders = holders if holders is not None else members
         replicated = holders is not None and dist.get_world_size(holders) > 1
-        self.sharded = any(isinstance(p, DTensor) for p in params.values())
-        self.replicas = holders if replicated and not self.sharded else None
+        sharded = any(isinstance(p, DTensor) for p in params.values())
+        self.replicas = holders if replicated and not sharded else None
         # Groups that differ (in size or layout) split the sync into as many canonical slots as the smallest
         # has ranks (``slots``): the holders past them send nothing across and take the averaged slots from
         # the others. Given, the slots are cut even in a group of one rank, so every group sends the same.

@@ -16,6 +16,7 @@ from tessera.cluster.spec import Cluster
 from tessera.parallel.replicas import replica_ranks
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import ranks_of
+from tessera.planner.outer import regions_of
 from tessera.planner.simulate import simulate
 
 COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "sync": "#c44e52", "optimizer": "#8172b3"}
@@ -58,6 +59,7 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
     where = {plan.device_of(rank): rank for rank in range(ranks_of(plan, cluster))}
     per_stage = (plan.dp or 1) * plan.tp
     row_of = {node.name: i for i, node in enumerate(cluster.nodes)}
+    group_of = {n.name: g for g, nodes in enumerate(regions_of(cluster)) for n in nodes}  # a job per region
     for index, (node, local, _) in enumerate(devices):
         if index not in where:  # left out of the job by the plan
             ax.add_patch(_square(local, row_of[node], "lightgrey"))
@@ -68,8 +70,7 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
             position = replica_ranks(plan, rank)
             stage, replica = position.stage, position.index
         elif plan.groups is not None and plan.groups.fault_tolerant:  # a job per region: its group's colour
-            regions = list(dict.fromkeys(n.region for n in cluster.nodes))
-            stage, replica = regions.index(cluster.node(node).region), rank
+            stage, replica = group_of[node], rank
         elif plan.groups is not None:  # a group per region, no stages: coloured and labelled by group
             group_size = ranks_of(plan, cluster) // plan.groups.count
             stage, replica = rank // group_size, (rank % group_size) // plan.tp

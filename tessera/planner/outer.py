@@ -76,25 +76,38 @@ class OuterOption:
         return f"streaming H={self.inner_steps} F={self.fragments} delay {self.delay}"
 
 
-def alike_regions(cluster: Cluster) -> list[list[Node]] | None:
-    """The nodes of each region, when there are several and all are made alike; else None."""
+def regions_of(cluster: Cluster) -> list[list[Node]]:
+    """The nodes of each region, regions in the order the cluster file first names them."""
     regions: dict[str, list[Node]] = {}
     for node in cluster.nodes:
         regions.setdefault(node.region, []).append(node)
+    return list(regions.values())
+
+
+def region_cluster(cluster: Cluster, nodes: list[Node]) -> Cluster:
+    """The cluster of ``nodes`` alone (one region), with the links between them."""
+    names = {n.name for n in nodes}
+    pairs = {pair: link for pair, link in cluster.pair_links.items() if pair <= names}
+    return Cluster(tuple(nodes), cluster.device_types, cluster.links, pairs)
+
+
+def alike_regions(cluster: Cluster) -> list[list[Node]] | None:
+    """The nodes of each region, when there are several and all are made alike; else None."""
+    regions = regions_of(cluster)
     if len(regions) < 2:
         return None
-    make_ups = {tuple((n.device_type, n.count) for n in nodes) for nodes in regions.values()}
-    return list(regions.values()) if len(make_ups) == 1 else None
+    make_ups = {tuple((n.device_type, n.count) for n in nodes) for nodes in regions}
+    return regions if len(make_ups) == 1 else None
 
 
 def sync_seconds(cluster: Cluster, regions: list[list[Node]]) -> Callable[[float], float]:
     """Seconds to average ``n_bytes`` (one group's) across the groups: a ring over the regions on their
-    slowest link, each group's bytes spread over its nodes."""
+    slowest link, each group's bytes spread over its nodes (the region with the fewest paces it)."""
     link = min(
         (cluster.link(a[0].name, b[0].name) for i, a in enumerate(regions) for b in regions[i + 1 :]),
         key=lambda lk: lk.bandwidth_gbs,
     )
-    nodes = len(regions[0])
+    nodes = min(len(r) for r in regions)
     return lambda n_bytes: link.all_reduce_s(n_bytes / nodes, len(regions))
 
 
@@ -198,10 +211,7 @@ def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top
         return []
     count = len(regions)
     names = [{n.name for n in nodes} for nodes in regions]
-    sub = Cluster(
-        tuple(regions[0]), cluster.device_types, cluster.links,
-        {pair: link for pair, link in cluster.pair_links.items() if pair <= names[0]},
-    )  # fmt: skip
+    sub = region_cluster(cluster, regions[0])
     try:
         found = search(sub, costs, global_batch // count, top=max(top, INNER_TOP))
     except PlanError:  # one region cannot hold the model, or its batch is too small
@@ -235,21 +245,6 @@ def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top
         label = f"{candidate.placement}; one group per region ({count})"
         out.append(Candidate(plan, candidate.layout, estimate, label, (*candidate.notes, outer_choice(options))))
     return out
-
-
-def regions_of(cluster: Cluster) -> list[list[Node]]:
-    """The nodes of each region, regions in the order the cluster file first names them."""
-    regions: dict[str, list[Node]] = {}
-    for node in cluster.nodes:
-        regions.setdefault(node.region, []).append(node)
-    return list(regions.values())
-
-
-def region_cluster(cluster: Cluster, nodes: list[Node]) -> Cluster:
-    """The cluster of ``nodes`` alone (one region), with the links between them."""
-    names = {n.name for n in nodes}
-    pairs = {pair: link for pair, link in cluster.pair_links.items() if pair <= names}
-    return Cluster(tuple(nodes), cluster.device_types, cluster.links, pairs)
 
 
 def _region_plans(subs: list[Cluster], costs: ModelCosts, batches: list[int]) -> list[Candidate] | None:
@@ -302,12 +297,7 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
         batches, plans = shares, again
     inner_s = max(c.estimate.step_s for c in plans)  # the groups meet every H steps: the slowest paces them
     params = costs.stage_params(0, costs.n_layers)
-    link = min(
-        (cluster.link(a[0].name, b[0].name) for i, a in enumerate(regions) for b in regions[i + 1 :]),
-        key=lambda lk: lk.bandwidth_gbs,
-    )
-    nodes = min(len(r) for r in regions)  # a sync's bytes leave each region over its nodes' paths
-    options = outer_options(inner_s, params, 4, count, lambda n: link.all_reduce_s(n / nodes, count))
+    options = outer_options(inner_s, params, 4, count, sync_seconds(cluster, regions))
     # fault-tolerant groups sync with delay 0 (a quorum may rebuild the link under a transfer): DiLoCo, whose
     # whole sync costs what Streaming DiLoCo's fragments would without their overlap
     options = [o for o in options if o.sync == "diloco"]
