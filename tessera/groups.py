@@ -192,11 +192,6 @@ class Groups:
                 "Plan.groups.layouts lays each group out its own way, so each group is its own job: set "
                 "fault_tolerant: true (or drop layouts and lay every group out alike)."
             )
-        if self.fault_tolerant and self.delay:
-            raise PlanError(
-                f"Plan.groups.fault_tolerant=true needs delay=0 (got {self.delay}): a quorum may rebuild the "
-                "connection between groups, so a transfer cannot stay in flight across inner steps."
-            )
 
     def group_shares(self) -> tuple[int, ...]:
         """Relative samples per group (all ones when even)."""

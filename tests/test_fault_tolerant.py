@@ -321,34 +321,46 @@ def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
     assert plan.group_plan(1).groups is None and Plan.from_dict(plan.to_dict()) == plan
 
 
-def test_fault_tolerant_groups_stopped_and_resumed_end_where_the_straight_run_does(tmp_path: Path) -> None:
-    """Each group's job checkpoints its own folder; stopped at step 8 and resumed (`--resume`), both groups
-    reach step 16 bit for bit where a straight run does."""
-    from test_checkpoint import tiny_config
+def test_fault_tolerant_streaming_stopped_mid_transfer_resumes_and_matches_one_job(tmp_path: Path) -> None:
+    """Streaming DiLoCo with a delay through torchft: each fragment's transfer runs while the next inner step
+    computes. Each group's job checkpoints its own folder; stopped at step 8, with fragment 1's transfer in
+    flight (it left at 8, lands at 9: the checkpoint holds its average and the groups' decision to keep
+    it; fragment 0 landed at 7), and resumed (`--resume`), both groups reach step 16 bit for bit where a
+    straight run does, and where the same groups run as one job (not fault-tolerant) do."""
+    from test_checkpoint import checkpoint_tensors, tiny_config
 
     from tessera.export import load_full_model_state
 
-    groups = {"count": 2, "sync": "diloco", "inner_steps": 4, "fault_tolerant": True}
+    groups = {"count": 2, "sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1, "fault_tolerant": True}
     config = tiny_config(tmp_path / "runs", 16, 8, {"preset": "ddp", "groups": groups})
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
+    config["plan"]["groups"] = {**groups, "fault_tolerant": False}
+    (tmp_path / "one_job.yaml").write_text(yaml.safe_dump(config))
 
-    def train(*more: str) -> None:  # both groups hold before their first step until the other is up
-        command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / "ft.yaml"), "--nproc", "2", *more]
+    def train(name: str, *more: str, file: str = "ft.yaml") -> None:  # groups hold before their first step
+        command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / file), "--nproc", "2", *more]
         holds = ",".join(f"group{g}:hang:0:{step}:4" for g in (0, 1) for step in (1, 9))  # starts, and the resume
-        env = {**os.environ, "TESSERA_FAULT": holds}
+        env = {**os.environ, "TESSERA_FAULT": holds} if file == "ft.yaml" else None
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    train("--set", "train.stop_at=8", "--set", "logging.run_name=split")
-    train("--resume", "--set", "logging.run_name=split")
-    train("--set", "logging.run_name=straight")
-    for g in (0, 1):
+    train("split", "--set", "train.stop_at=8", "--set", "logging.run_name=split")
+    in_flight = tmp_path / "runs" / "split" / "group_0" / "checkpoints" / "step_00000008" / "group_0"
+    saved = checkpoint_tensors(in_flight, tmp_path, prefixes=("outer.",))
+    assert saved["outer.kept"].tolist() == [-1, 1] and saved["outer.due"].tolist() == [7, 9], saved["outer.due"]
+    train("split", "--resume", "--set", "logging.run_name=split")
+    train("straight", "--set", "logging.run_name=straight")
+    train("one job", "--set", "logging.run_name=one_job", file="one_job.yaml")
+    for g in (0, 1):  # at 16 fragment 1 is in flight again: the groups differ, each like its twin in one job
         folder = Path("checkpoints") / "step_00000016" / f"group_{g}"
+        one_job = load_full_model_state(tmp_path / "runs" / "one_job" / folder)
         split, straight = (
             load_full_model_state(tmp_path / "runs" / name / f"group_{g}" / folder) for name in ("split", "straight")
         )
-        assert split.keys() == straight.keys()
+        assert split.keys() == straight.keys() == one_job.keys()
         assert all(torch.equal(split[k], straight[k]) for k in split), f"group {g} differs after stop + resume"
+        for k in split:
+            torch.testing.assert_close(split[k], one_job[k], rtol=1e-6, atol=1e-6, msg=f"group {g}: {k}")
 
 
 def test_fault_tolerant_groups_resumed_in_a_plain_run_start_from_its_checkpoint(tmp_path: Path) -> None:

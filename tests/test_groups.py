@@ -442,12 +442,6 @@ def test_islands_never_meet(runs: dict) -> None:
         ({"compression": "int3"}, 4, PlanError, "compression='int3' is not one of"),
         ({"sync": "every_step", "compression": "int8"}, 4, PlanError, "sync: every_step sends none"),
         ({"sync": "every_step", "fault_tolerant": True}, 4, PlanError, "use sync: diloco or streaming"),
-        (
-            {"sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1, "fault_tolerant": True},
-            4,
-            PlanError,
-            "fault_tolerant=true needs delay=0",
-        ),
         ({"fault_tolerant": "yes"}, 4, PlanError, "fault_tolerant must be true or false"),
         ({"sizes": [3, 1]}, 4, PlanError, "differ: groups of different sizes run as separate jobs"),
         ({"sizes": [2, 2, 2]}, 6, PlanError, "sizes must list the ranks of each of the 2 groups"),

@@ -14,8 +14,9 @@ that are alive at each outer sync:
   they continue from the weights they agreed on before it.
 
 torchft's int8 kernels need Triton on a GPU; Tessera compresses itself (:mod:`tessera.parallel.compress`)
-and only moves bytes through torchft's process group. Each quorum may rebuild that process group,
-so a transfer cannot stay in flight across a sync here: ``delay`` must be 0.
+and only moves bytes through torchft's process group. Each quorum may rebuild that process group, so
+no transfer may be in flight at a quorum: Streaming DiLoCo's ``delay`` is below the steps between two
+fragments' syncs, so a fragment lands (and its sync is committed or dropped) before the next one's quorum.
 
 Example (one group's job; ``TORCHFT_LIGHTHOUSE`` names the Lighthouse)::
 
@@ -66,6 +67,21 @@ class _Done:
     """A transfer that already finished (torchft's errors are reported to its Manager, not raised)."""
 
     def wait(self) -> bool:
+        return True
+
+
+class _Pending:
+    """A transfer in flight while the next inner steps compute (Streaming DiLoCo's delay): ``finish`` waits
+    for it, once, when the fragment lands; its errors go to the Manager, which drops the sync at commit."""
+
+    def __init__(self, finish: Callable[[], Any], span: Any) -> None:
+        self.finish, self.span = finish, span
+
+    def wait(self) -> bool:
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+            traffic.finish(self.span)
         return True
 
 
@@ -271,23 +287,24 @@ class TorchftAcross(Across):
     def size(self) -> int:
         return self.pg.size()
 
-    # Both wait for their transfer (delay is 0: the sync lands at once) and count it: torch does not
-    # register torchft's process group, so tessera.traffic's dispatcher kernel cannot place it.
+    # Both start their transfer and count it when it is waited for (when the fragment lands: at once, or
+    # ``delay`` steps later): torch does not register torchft's process group, so tessera.traffic's
+    # dispatcher kernel cannot place it.
     def all_reduce(self, tensor: torch.Tensor) -> Any:
         from torch.distributed import ReduceOp
 
         span = traffic.count_across_groups("all_reduce", tensor.numel() * tensor.element_size(), self.size())
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()  # errors go to the Manager
-        traffic.finish(span)
-        return _Done()
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)  # errors go to the Manager
+        return _Pending(work.wait, span)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
         from torch.distributed import AllgatherOptions
 
         span = traffic.count_across_groups("all_gather", tensor.numel() * tensor.element_size(), self.size())
-        self._guarded(lambda: self.pg.allgather_into_tensor_coalesced([out], [tensor], AllgatherOptions()).wait())
-        traffic.finish(span)
-        return _Done()
+        started: list[Any] = []
+        options = AllgatherOptions()
+        self._guarded(lambda: started.append(self.pg.allgather_into_tensor_coalesced([out], [tensor], options)))
+        return _Pending(lambda: started and self._guarded(started[0].wait), span)
 
     def total_weight(self, weight: float) -> float:
         total = torch.tensor([weight], dtype=torch.float64)

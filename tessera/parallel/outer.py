@@ -123,6 +123,7 @@ class _Fragment:
         self.total = 1.0  # the summed shares of the groups whose change the transfer averages
         self.due = 0
         self.sent: list[torch.Tensor] = []
+        self.kept: bool | None = None  # the sync's fate when decided before it lands (at a checkpoint)
 
     @torch.no_grad()
     def restart(self, agreed: list[torch.Tensor], due: int) -> None:
@@ -133,6 +134,7 @@ class _Fragment:
         self.optimizer.state.clear()
         self.feedback.remainder = None
         self.flat, self.part, self.gathered, self.work, self.sent, self.due = None, None, None, None, [], due
+        self.kept = None
 
 
 class OuterSync:
@@ -363,9 +365,9 @@ class OuterSync:
         them (plus the local steps taken while it was in flight)."""
         self._arrive(fragment)
         assert fragment.flat is not None
-        # A group failed mid-sync: every group drops it and goes back. Or no group brought a change (only
-        # groups that had just taken the others' state): nothing to step with.
-        if not self.across.commit() or fragment.total == 0.0:
+        kept = self._decide(fragment) if fragment.kept is None else fragment.kept
+        fragment.kept = None
+        if not kept:
             self._discard(fragment)
             return
         offset = 0
@@ -382,6 +384,12 @@ class OuterSync:
                 piece.copy_(agreed)
         fragment.flat, fragment.sent = None, []
 
+    def _decide(self, fragment: _Fragment) -> bool:
+        """Whether the sync that arrived counts: not when a group failed in the middle of it (every group
+        drops it and goes back), nor when no group brought a change (only groups that had just taken the
+        others' state): nothing to step with."""
+        return self.across.commit() and fragment.total != 0.0
+
     @torch.no_grad()
     def _discard(self, fragment: _Fragment) -> None:
         """Forget a sync that not every group completed: continue from the agreed weights, which stay as
@@ -396,14 +404,20 @@ class OuterSync:
         """This rank's outer state, keyed by parameter name and laid out like the parameters (a DTensor for
         a shard), for a checkpoint: ``agreed`` weights, then what exists of the outer ``momentum``, error
         feedback's ``remainder``, and a transfer in flight (``arrived``: its average, waited for here but
-        applied only when due; ``sent``: the pieces as they left); ``step`` and each fragment's ``due``."""
+        applied only when due; ``sent``: the pieces as they left); ``step``, each fragment's ``due`` and
+        ``kept``: whether the transfer in flight counts (1), is dropped (0), or none is in flight (−1). The
+        groups decide that here, not when it lands: a job resumed from this checkpoint has no quorum to ask."""
+        for fragment in self.fragments:
+            self._arrive(fragment)
+            if fragment.flat is not None and fragment.kept is None:
+                fragment.kept = self._decide(fragment)
         state: dict[str, Any] = {
             "step": torch.tensor(self.step),
             "due": torch.tensor([f.due for f in self.fragments]),
+            "kept": torch.tensor([-1 if f.kept is None else int(f.kept) for f in self.fragments]),
             "agreed": {},
         }
         for fragment in self.fragments:
-            self._arrive(fragment)
             fields = {"agreed": fragment.agreed}
             momentum = [fragment.optimizer.state.get(a, {}).get("momentum_buffer") for a in fragment.agreed]
             if all(m is not None for m in momentum):
@@ -425,6 +439,8 @@ class OuterSync:
         """A state dict shaped like :meth:`state_dict`'s, with the ``field.name`` entries a checkpoint holds
         (``saved``), to load into."""
         state: dict[str, Any] = {"step": torch.tensor(0), "due": torch.zeros(len(self.fragments), dtype=torch.long)}
+        if "kept" in saved:  # checkpoints before it was saved have none: nothing of theirs was decided early
+            state["kept"] = torch.zeros(len(self.fragments), dtype=torch.long)
         for fragment in self.fragments:
             for name, param, agreed, piece in zip(fragment.names, fragment.params, fragment.agreed, fragment.pieces):
                 for field in ("agreed", "momentum", "remainder", "arrived", "sent"):
@@ -455,6 +471,8 @@ class OuterSync:
             fragment.flat = flat.get("arrived")
             fragment.sent = [v.clone() for v in saved.get("sent", [])]
             fragment.work, fragment.gathered, fragment.due = None, None, int(state["due"][f])
+            kept = int(state["kept"][f]) if "kept" in state else -1
+            fragment.kept = None if kept < 0 else bool(kept)
 
     @torch.no_grad()
     def start_here(self, step: int) -> None:

@@ -162,10 +162,10 @@ def choose(options: list[OuterOption]) -> OuterOption:
 
 
 def runnable(options: list[OuterOption], plan: Plan, n_layers: int) -> list[OuterOption]:
-    """The options ``plan`` (one group's inner layout) can run: with pipeline stages, no every-step sync,
-    and streaming fragments that divide every stage's layers (each stage syncs its own)."""
+    """The options ``plan`` (one group's inner layout) can run: streaming fragments that divide the layers
+    (every stage's: each stage syncs its own), and with pipeline stages no every-step sync."""
     if plan.pp == 1:
-        return options
+        return [o for o in options if n_layers % o.fragments == 0]
     layers = [end - first for first, end in plan.pipeline.stage_ranges(n_layers, plan.pp)]
     return [o for o in options if o.sync != "every_step" and all(n % o.fragments == 0 for n in layers)]
 
@@ -278,8 +278,8 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
     """One fault-tolerant group per region when the regions are not alike: each region searched alone for
     its share of the batch (set by speed: an even split first, then shares in proportion to what each
     region's plan takes a second, for up to SHARE_ROUNDS rounds while the slowest region's step shrinks),
-    each group laid out its own way, the outer sync :func:`choose` picks
-    (DiLoCo: fault-tolerant groups sync neither every step nor with a delay). Empty when the
+    each group laid out its own way, the outer sync :func:`choose` picks (DiLoCo or Streaming DiLoCo:
+    fault-tolerant groups meet at quorums, not every step; streaming only when no group has stages). Empty when the
     regions are alike (:func:`outer_candidates`), fewer than two, or one cannot hold the model."""
     regions = regions_of(cluster)
     if len(regions) < 2 or alike_regions(cluster) is not None or global_batch < len(regions):
@@ -298,9 +298,12 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
     inner_s = max(c.estimate.step_s for c in plans)  # the groups meet every H steps: the slowest paces them
     params = costs.stage_params(0, costs.n_layers)
     options = outer_options(inner_s, params, 4, count, sync_seconds(cluster, regions))
-    # fault-tolerant groups sync with delay 0 (a quorum may rebuild the link under a transfer): DiLoCo, whose
-    # whole sync costs what Streaming DiLoCo's fragments would without their overlap
-    options = [o for o in options if o.sync == "diloco"]
+    # fault-tolerant groups meet at quorums, not every step; Streaming DiLoCo's fragments are runs of each
+    # stage's own layers, which groups staged differently do not share: with stages, DiLoCo only
+    staged = any(c.plan.pp > 1 for c in plans)
+    options = [o for o in options if o.sync == "diloco" or (o.sync == "streaming" and not staged)]
+    for c in plans:
+        options = runnable(options, c.plan, costs.n_layers)
     best = choose(options)
     layouts = []
     for c in plans:
@@ -310,7 +313,7 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
                   "stages": p.pipeline.stages, "schedule": p.pipeline.schedule}  # fmt: skip
         layouts.append({k: v for k, v in layout.items() if v is not None})
     groups = Groups(
-        count=count, sync=best.sync, inner_steps=best.inner_steps, fragments=best.fragments, delay=0,
+        count=count, sync=best.sync, inner_steps=best.inner_steps, fragments=best.fragments, delay=best.delay,
         fault_tolerant=True, sizes=tuple(sub.world_size for sub in subs), shares=tuple(batches),
         layouts=tuple(layouts),
     )  # fmt: skip
@@ -335,7 +338,7 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
         f"meeting through a Lighthouse); outer level: {best.describe()} syncs the weights ({best.sync_s:.3g} s a "
         f"sync) for {best.exposed_s:.3g} s of a {inner_s:.3g} s inner step, {_size(best.bytes_per_step)} a step "
         f"across, {_size(best.peak_bytes)} at once — the smallest H within {OUTER_BUDGET:.0%} of the inner steps "
-        "(fault-tolerant groups sync neither every step nor with a delay)"
+        f"(fault-tolerant groups do not sync every step{'; streaming needs groups without stages' if staged else ''})"
     )
     label = f"one group per region ({count}), each laid out its own way"
     return [Candidate(plan, slowest.layout, estimate, label, (*slowest.notes, note))]  # the picture: its timeline
