@@ -110,6 +110,19 @@ def export_safetensors(path: str | Path, out: str | Path) -> Path:
     return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")  # fmt: skip
+
+
+def copy_tokenizer(source: Path, out_dir: Path) -> None:
+    """The pretrained directory's tokenizer files (those it has) into ``out_dir``."""
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out_dir / name)
+
+
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
     from tessera.train.build import build_model
@@ -124,7 +137,9 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
             f"--hf-dir needs a Hugging Face model, but this checkpoint holds model.kind='{cfg.model.kind}': "
             "export it with --out model.safetensors instead."
         )
-    model = build_model(cfg)
+    model = build_model(cfg, weights=False)  # the checkpoint's weights go into it
     model.load_state_dict(load_full_model_state(path), strict=True)
     model.save_pretrained(str(out_dir))
+    if cfg.model.pretrained is not None:  # a complete Hugging Face directory: the tokenizer beside the weights
+        copy_tokenizer(Path(cfg.model.pretrained), Path(out_dir))
     return Path(out_dir)

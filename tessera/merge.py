@@ -91,7 +91,8 @@ def _model(checkpoint: str | Path) -> nn.Module:
     from tessera.train.build import build_model
     from tessera.train.config import parse_config
 
-    return build_model(parse_config(read_meta(checkpoint)["config"], source=f"the config in '{checkpoint}'"))
+    config = parse_config(read_meta(checkpoint)["config"], source=f"the config in '{checkpoint}'")
+    return build_model(config, weights=False)  # the checkpoint's weights are loaded into it
 
 
 @torch.no_grad()

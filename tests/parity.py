@@ -41,8 +41,16 @@ class TokenData(Dataset):
         return {"x": self.tokens[i, :-1], "y": self.tokens[i, 1:]}
 
 
+PRETRAINED = "pretrained="  # a kind naming a save_pretrained directory: "pretrained=/tmp/x"
+
+
 def build_model(kind: str, seed: int = 0) -> nn.Module:
-    """A tiny model of ``kind``: 2 layers, or as many as a suffix says ("llama:8", "hf_qwen2:4")."""
+    """A tiny model of ``kind``: 2 layers, or as many as a suffix says ("llama:8", "hf_qwen2:4"); for
+    "pretrained=DIR", transformers' own ``from_pretrained`` (the plain reference for Tessera's loading)."""
+    if kind.startswith(PRETRAINED):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(kind.removeprefix(PRETRAINED))
     torch.manual_seed(seed)
     kind, _, layers = kind.partition(":")
     n_layers = int(layers or 2)
@@ -113,7 +121,12 @@ def tessera_run(
 
     import tessera
 
-    model = build_model(kind)
+    if kind.startswith(PRETRAINED):  # Tessera's own loading: parameters on meta, each rank reads its slices
+        from tessera.models.pretrained import empty_pretrained
+
+        model = empty_pretrained(kind.removeprefix(PRETRAINED))
+    else:
+        model = build_model(kind)
     booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, make_optimizer(model.parameters(), lr))
     loader = booster.dataloader(TokenData(), global_batch_size=global_batch, seed=0)

@@ -99,7 +99,7 @@ def apply_data_parallel(
     )
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=accelerator_available()) if plan.offload else OffloadPolicy()
     reshard = plan.zero == 3
-    if not plan.offload:
+    if not plan.offload and not any(p.is_meta for p in model.parameters()):  # on meta: given memory once sharded
         model.to(device)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)

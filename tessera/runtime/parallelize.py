@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tessera.models import pretrained
 from tessera.parallel import data_parallel
 from tessera.parallel.policy import Policy
 from tessera.parallel.recompute import apply_recompute
@@ -36,7 +37,14 @@ def parallelize(
     precision applies, gradients being averaged by the replicas engine.
     """
     model = model if model is not None else module
-    if not (plan.offload and data_parallel.uses_fsdp(plan)):  # FSDP offload keeps parameters on the host
+    # Pretrained weights (model.pretrained): the parameters are still on meta; each rank gives the ones it
+    # holds memory once laid out and reads its slices (before DDP, which would copy rank 0's; after FSDP).
+    source = pretrained.source_of(model) if any(p.is_meta for p in module.parameters()) else None
+    fsdp = data_parallel.uses_fsdp(plan)
+    home = torch.device("cpu") if plan.offload and fsdp else device  # FSDP offload keeps parameters on the host
+    if source is not None:
+        pretrained.move_buffers(module, device)
+    elif home == device:
         module.to(device)
     if plan.tp > 1:
         assert policy is not None and meshes is not None, "the engine checks tp against the policy first"
@@ -46,9 +54,15 @@ def parallelize(
         )
     blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
     apply_recompute(blocks, plan.recompute)
+    if source is not None and not fsdp:
+        pretrained.materialize(module, home)
+        pretrained.load_into(module, source)
     wrapped = data_parallel.apply_data_parallel(
         module, plan, meshes.sharding if meshes else None, device, blocks, across=meshes.across if meshes else None
     )
+    if source is not None and fsdp:
+        pretrained.materialize(module, home)
+        pretrained.load_into(module, source)
     if meshes is not None and data_parallel.uses_fsdp(plan):
         hooks.on_sharded(module, blocks, meshes.grad_ranks())
     elif meshes is not None and isinstance(wrapped, DistributedDataParallel):

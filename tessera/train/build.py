@@ -12,11 +12,14 @@ from torch import nn
 from tessera.data.text import ByteTokenizer
 from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
-from tessera.train.config import Config
+from tessera.train.config import Config, ConfigError
 
 
-def build_model(cfg: Config) -> nn.Module:
-    """The model ``cfg.model`` describes, with a byte-level vocabulary and ``data.seq_len`` positions."""
+def build_model(cfg: Config, weights: bool = True) -> nn.Module:
+    """The model ``cfg.model`` describes, with a byte-level vocabulary and ``data.seq_len`` positions (a
+    pretrained one: its own config's, with its parameters on meta until the Booster lays it out and loads
+    them; ``weights=False``: freshly initialised from that config instead, for callers that load a
+    checkpoint's weights into it or only time it)."""
     m, seq = cfg.model, cfg.data.seq_len
     vocab = ByteTokenizer.vocab_size
     if m.kind == "llama":
@@ -36,6 +39,13 @@ def build_model(cfg: Config) -> nn.Module:
         )
     from tessera.models import hf
 
+    if m.kind == "hf_pretrained":
+        from tessera.models.pretrained import empty_pretrained
+
+        # parameters on meta: the runtime loads each rank's slices once laid out
+        model = empty_pretrained(m.pretrained) if weights else hf.from_config_file(m.pretrained)
+        check_vocabulary(model, vocab, f"model.pretrained '{m.pretrained}'")
+        return model
     if m.kind == "hf_config":
         return hf.from_config_file(m.hf_config)
     if m.kind == "hf_gpt2":
@@ -49,6 +59,17 @@ def build_model(cfg: Config) -> nn.Module:
         vocab_size=vocab,
         seq_len=seq,
     )
+
+
+def check_vocabulary(model: nn.Module, tokens: int, source: str) -> None:
+    """Refuse a model whose embedding has fewer rows than the tokenizer has ids, before any step would
+    index past it."""
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < tokens:
+        raise ConfigError(
+            f"{source} has a vocabulary of {rows} tokens, but the data's tokenizer (bytes) gives ids up to "
+            f"{tokens - 1}: use a model with at least {tokens} embeddings."
+        )
 
 
 def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:

@@ -57,10 +57,13 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """``kind: llama`` is the reference model sized by the fields below; ``kind: hf_gpt2`` /
     ``hf_llama`` build a Hugging Face model from the same sizes; ``kind: hf_config`` builds
-    ``AutoModelForCausalLM`` from a local Hugging Face ``config.json`` (``hf_config``), sizes ignored."""
+    ``AutoModelForCausalLM`` from a local Hugging Face ``config.json`` (``hf_config``), sizes ignored;
+    ``pretrained: DIR`` (kind ``hf_pretrained``, set by it) loads a local ``save_pretrained`` directory's
+    weights into whatever layout the plan gives, each rank reading only the slices it holds."""
 
-    kind: Literal["llama", "hf_gpt2", "hf_llama", "hf_config"] = "llama"
+    kind: Literal["llama", "hf_gpt2", "hf_llama", "hf_config", "hf_pretrained"] = "llama"
     hf_config: str | None = None
+    pretrained: str | None = None
     dim: int = Field(128, gt=0, le=MAX_DIM)
     n_layers: int = Field(4, gt=0, le=MAX_LAYERS)
     n_heads: int = Field(4, gt=0, le=MAX_DIM)
@@ -68,8 +71,29 @@ class ModelConfig(_Section):
     ffn_dim: int = Field(384, gt=0, le=4 * MAX_DIM)
     tie_embeddings: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_kind(cls, data: Any) -> Any:
+        """``pretrained: DIR`` alone means ``kind: hf_pretrained``."""
+        if isinstance(data, dict) and data.get("pretrained") is not None and "kind" not in data:
+            return {**data, "kind": "hf_pretrained"}
+        return data
+
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
+        if self.pretrained is not None:
+            if self.kind != "hf_pretrained":
+                raise ValueError(
+                    f"model.pretrained takes the architecture from {shown(self.pretrained)}'s config.json: drop "
+                    f"model.kind={shown(self.kind)}"
+                )
+            if not (Path(self.pretrained) / "config.json").is_file():
+                raise ValueError(
+                    f"model.pretrained={shown(self.pretrained)} is not a save_pretrained directory (no config.json "
+                    "in it): give the folder holding config.json and the safetensors weights"
+                )
+        elif self.kind == "hf_pretrained":
+            raise ValueError("model.kind: hf_pretrained needs model.pretrained (a save_pretrained directory)")
         if (self.kind == "hf_config") != (self.hf_config is not None):
             raise ValueError("model.hf_config (a path to a Hugging Face config.json) goes with model.kind: hf_config")
         if self.hf_config is not None and not Path(self.hf_config).exists():

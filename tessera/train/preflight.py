@@ -37,9 +37,9 @@ def available_memory_bytes() -> int | None:
 def check_memory(cfg: Config, plan, nproc: int) -> None:
     """Refuse a model whose estimated state cannot fit on this machine, before any rank allocates it.
 
-    Each local rank builds the whole model in fp32 before the plan shards it, then keeps its share of
-    gradients and optimizer state (divided over tp × pp, and over dp under ZeRO): a lower bound, since
-    activations come on top.
+    Each local rank builds the whole model in fp32 before the plan shards it (a pretrained model: only
+    the weights it holds, read once laid out), then keeps its share of gradients and optimizer state
+    (divided over tp × pp, and over dp under ZeRO): a lower bound, since activations come on top.
     """
     import torch
 
@@ -49,13 +49,19 @@ def check_memory(cfg: Config, plan, nproc: int) -> None:
         model = build_model(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     shards = plan.tp * plan.pp * (plan.dp if plan.zero >= 1 else 1)
-    per_rank = 4 * n_params + STATE_BYTES_PER_PARAM * n_params / shards
+    held = plan.tp * plan.pp * (plan.dp if plan.zero >= 2 else 1) if cfg.model.pretrained else 1
+    per_rank = 4 * n_params / held + STATE_BYTES_PER_PARAM * n_params / shards
     need, have = nproc * per_rank, available_memory_bytes()
+    sizes = (
+        f"model.pretrained={cfg.model.pretrained}"
+        if cfg.model.pretrained
+        else f"model.dim={cfg.model.dim}, n_layers={cfg.model.n_layers}, ffn_dim={cfg.model.ffn_dim}"
+    )
+    builds = "holds its share of the weights" if cfg.model.pretrained else "builds it whole"
     if have is not None and need > have:
         raise ConfigError(
-            f"the model has {n_params / 1e6:,.1f}M parameters (model.dim={cfg.model.dim}, "
-            f"n_layers={cfg.model.n_layers}, ffn_dim={cfg.model.ffn_dim}): each of the {nproc} ranks on this "
-            f"machine builds it whole and keeps its share of gradients and optimizer state, at least "
+            f"the model has {n_params / 1e6:,.1f}M parameters ({sizes}): each of the {nproc} ranks on this "
+            f"machine {builds} and keeps its share of gradients and optimizer state, at least "
             f"{need / 2**30:,.1f} GiB in all, but only {have / 2**30:,.1f} GiB is available. Lower the model "
             "sizes, launch fewer ranks per machine, or shard more (plan.zero=3, plan.tp, plan.pp)."
         )

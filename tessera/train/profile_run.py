@@ -51,7 +51,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         print(f"TESTBED: {verify_seat(seat)}", flush=True)
     torch.manual_seed(cfg.train.seed)
     device = pick_device()
-    model = build_model(cfg).to(device)
+    model = build_model(cfg, weights=False).to(device)  # timed only: a pretrained model's weights are not read
     precision = plan_from_config(cfg.plan).precision
     timing: dict[str, Any] = QUICK if quick else {}
     sizes = tuple(sorted({min(b, cfg.train.global_batch_size) for b in SIZES}))
