@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -342,6 +343,20 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    from tessera.data.prepare import prepare
+
+    started = time.perf_counter()
+    index = prepare(args.inputs, args.out, args.tokenizer, args.field, args.workers, args.on_bad_record)
+    seconds = time.perf_counter() - started
+    skipped = f", {index['skipped']:,} records skipped" if index["skipped"] else ""
+    print(
+        f"{args.out}: {index['tokens']:,} tokens ({index['dtype']}) in {index['documents']:,} documents, "
+        f"{len(index['shards'])} shards{skipped}; {seconds:.1f} s"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="tessera", description="Scale PyTorch training with one Plan.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -458,8 +473,24 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("--out", help="write the parameter average as a .safetensors file")
     merge.add_argument("--json", help="write the losses as JSON")
     merge.add_argument("--force", action="store_true", help="overwrite --out / --json if they exist")
+    data = sub.add_parser("data", help="prepare corpora for training")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser(
+        "prepare", help="tokenize text, jsonl, parquet or datasets directories into shards (resumable)"
+    )
+    prepare.add_argument("inputs", nargs="+", help="files, globs, or datasets save_to_disk directories")
+    prepare.add_argument("--out", required=True, help="the folder to write (started again: resumed)")
+    prepare.add_argument("--tokenizer", default="bytes", help="a tokenizer.json or its directory; bytes by default")
+    prepare.add_argument("--field", default="text", help="the jsonl field or parquet/arrow column holding the text")
+    prepare.add_argument("--workers", type=_count(1), help="tokenizing processes (default: the CPUs)")
+    prepare.add_argument(
+        "--on-bad-record", choices=("stop", "skip"), default="stop", help="a record that is not JSON or lacks the "
+        "field: stop (default) or skip, counted"
+    )  # fmt: skip
     args = ap.parse_args(argv)
     try:
+        if args.command == "data":
+            return _data_prepare(args)
         if args.command == "export":
             return _export(args)
         if args.command == "merge":

@@ -77,9 +77,17 @@ def held_out(checkpoint: str | Path, eval_bytes: int) -> PackedText:
     if "config" not in meta:
         raise CheckpointError(f"checkpoint '{checkpoint}' records no training config: its held-out text is unknown.")
     cfg = parse_config(meta["config"], source=f"the config stored in '{checkpoint}'")
-    files = resolve_paths(cfg.data.paths)
+    from tessera.train.build import tokenizer_for
+
+    if cfg.data.prepared:
+        raise CheckpointError(
+            f"the run of '{checkpoint}' trained on data.prepared shards, and merge judges on the text that follows "
+            "data.max_bytes of data.paths: there is none to read (held-out shards are not supported yet)."
+        )
+
+    files, tokenizer = resolve_paths(cfg.data.paths), tokenizer_for(cfg)  # a tokenizer's own error is not this
     try:
-        return PackedText(files, cfg.data.seq_len, eval_bytes, skip_bytes=cfg.data.max_bytes)
+        return PackedText(files, cfg.data.seq_len, eval_bytes, skip_bytes=cfg.data.max_bytes, tokenizer=tokenizer)
     except ValueError:
         raise CheckpointError(
             f"the corpus of '{checkpoint}' has no held-out text: the run trained on its first data.max_bytes="

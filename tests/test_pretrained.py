@@ -137,6 +137,7 @@ def test_tessera_train_loads_a_pretrained_directory_and_exports_it_back(tmp_path
     (source / "tokenizer_config.json").write_text("{}")  # copied beside the exported weights
     config = tiny_config(tmp_path / "runs", 2, 2, {"preset": "zero", "zero": 3})
     config["model"] = {"pretrained": str(source)}
+    config["data"]["tokenizer"] = "bytes"  # the source has no tokenizer.json
     config["optimizer"] = {"name": "sgd", "lr": 1e-30, "momentum": 0.0, "weight_decay": 0.0}
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
 
@@ -159,7 +160,8 @@ def test_a_pretrained_config_that_cannot_work_is_refused_before_anything_runs(sa
     from tessera.train.config import ConfigError, parse_config
 
     def config(**model) -> dict:
-        return {**tiny_config(tmp_path, 2, 2, {"preset": "ddp"}), "model": model}
+        base = tiny_config(tmp_path, 2, 2, {"preset": "ddp"})
+        return {**base, "model": model, "data": {**base["data"], "tokenizer": "bytes"}}
 
     with pytest.raises(ConfigError, match="no config.json in it"):
         parse_config(config(pretrained=str(tmp_path)))

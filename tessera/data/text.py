@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -18,6 +19,7 @@ class ByteTokenizer:
     """Tokens are bytes (vocabulary 256): nothing to train, nothing to download."""
 
     vocab_size = 256
+    end_of_document = [10]  # files are joined with a newline
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -45,10 +47,10 @@ def resolve_paths(patterns: list[str]) -> list[str]:
     return files
 
 
-def _require_enough(n_bytes: int, seq_len: int) -> None:
-    if n_bytes < 2 * (seq_len + 1):
+def _require_enough(n_tokens: int, seq_len: int, unit: str = "bytes") -> None:
+    if n_tokens < 2 * (seq_len + 1):
         raise ValueError(
-            f"data: the corpus holds {n_bytes} bytes, too few for even two sequences of data.seq_len="
+            f"data: the corpus holds {n_tokens} {unit}, too few for even two sequences of data.seq_len="
             f"{seq_len}: add text or lower data.seq_len."
         )
 
@@ -65,17 +67,31 @@ class PackedText(Dataset):
     Item ``i`` is ``{"x": tokens[i*L : i*L+L], "y": tokens[i*L+1 : i*L+L+1]}``.
     """
 
-    def __init__(self, files: list[str], seq_len: int, max_bytes: int = 4_000_000, skip_bytes: int = 0) -> None:
+    def __init__(
+        self, files: list[str], seq_len: int, max_bytes: int = 4_000_000, skip_bytes: int = 0, tokenizer: Any = None
+    ) -> None:
         """``skip_bytes``: start that far into the joined files (held-out text: what follows the
-        ``max_bytes`` a training run read)."""
-        data = bytearray()
+        ``max_bytes`` a training run read). ``tokenizer``: bytes by default; another one
+        (:mod:`tessera.data.tokenizer`) encodes each file's part of that text, ending each with its
+        end-of-document token."""
+        parts, seen = [], 0
         for path in files:
-            data += Path(path).read_bytes() + b"\n"
-            if len(data) >= skip_bytes + max_bytes:
+            data = Path(path).read_bytes() + b"\n"
+            lo, hi = max(seen, skip_bytes), min(seen + len(data), skip_bytes + max_bytes)
+            if lo < hi:
+                parts.append(data[lo - seen : hi - seen])
+            seen += len(data)
+            if seen >= skip_bytes + max_bytes:
                 break
-        data = data[skip_bytes : skip_bytes + max_bytes]
-        _require_enough(len(data), seq_len)
-        self.tokens = torch.frombuffer(data, dtype=torch.uint8).long()
+        if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+            joined = bytearray(b"".join(parts))
+            _require_enough(len(joined), seq_len)
+            self.tokens = torch.frombuffer(joined, dtype=torch.uint8).long()
+        else:  # a document per file (its trailing newline is the byte tokenizer's separator)
+            texts = [p.decode("utf-8", errors="replace").removesuffix("\n") for p in parts]
+            end = tokenizer.end_of_document
+            self.tokens = torch.tensor([t for ids in tokenizer.encode_batch(texts) for t in [*ids, *end]])
+            _require_enough(len(self.tokens), seq_len, "tokens")
         self.seq_len = seq_len
         self.files = files
 

@@ -4,24 +4,29 @@ from sizes or a config file) and the optimizer. Used by the trainer, the pre-lau
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.data.text import ByteTokenizer
+from tessera.data.tokenizer import HFTokenizer, load_tokenizer
 from tessera.optim.lamb import LAMB
 from tessera.optim.lars import LARS
 from tessera.train.config import Config, ConfigError
 
 
 def build_model(cfg: Config, weights: bool = True) -> nn.Module:
-    """The model ``cfg.model`` describes, with a byte-level vocabulary and ``data.seq_len`` positions (a
-    pretrained one: its own config's, with its parameters on meta until the Booster lays it out and loads
-    them; ``weights=False``: freshly initialised from that config instead, for callers that load a
-    checkpoint's weights into it or only time it)."""
+    """The model ``cfg.model`` describes, with the tokenizer's vocabulary and ``data.seq_len`` positions (a
+    model from a config or pretrained: its own, checked to hold every id the tokenizer gives; pretrained
+    parameters stay on meta until the Booster lays the model out and loads them; ``weights=False``:
+    freshly initialised from that config instead, for callers that load a checkpoint's weights into it or
+    only time it)."""
     m, seq = cfg.model, cfg.data.seq_len
-    vocab = ByteTokenizer.vocab_size
+    tokenizer = tokenizer_for(cfg)
+    vocab = tokenizer.vocab_size
+    named = f"data.tokenizer '{cfg.data.tokenizer}'" if cfg.data.tokenizer not in (None, "bytes") else None
     if m.kind == "llama":
         from tessera.models import Llama, LlamaConfig
 
@@ -44,10 +49,13 @@ def build_model(cfg: Config, weights: bool = True) -> nn.Module:
 
         # parameters on meta: the runtime loads each rank's slices once laid out
         model = empty_pretrained(m.pretrained) if weights else hf.from_config_file(m.pretrained)
-        check_vocabulary(model, vocab, f"model.pretrained '{m.pretrained}'")
+        named = named or ("its own tokenizer" if not cfg.data.tokenizer else None)
+        check_vocabulary(model, vocab, f"model.pretrained '{m.pretrained}'", named)
         return model
     if m.kind == "hf_config":
-        return hf.from_config_file(m.hf_config)
+        model = hf.from_config_file(m.hf_config)
+        check_vocabulary(model, vocab, f"model.hf_config '{m.hf_config}'", named)
+        return model
     if m.kind == "hf_gpt2":
         return hf.gpt2(n_layer=m.n_layers, n_embd=m.dim, n_head=m.n_heads, vocab_size=vocab, seq_len=seq)
     return hf.llama(
@@ -61,14 +69,33 @@ def build_model(cfg: Config, weights: bool = True) -> nn.Module:
     )
 
 
-def check_vocabulary(model: nn.Module, tokens: int, source: str) -> None:
+def tokenizer_for(cfg: Config) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer ``data.tokenizer`` names; unset: the one ``data.prepared`` was tokenized with, else a
+    pretrained model's own, else bytes. With prepared data a named one must have the same vocabulary."""
+    d = cfg.data
+    if d.prepared is None:
+        return load_tokenizer(d.tokenizer, cfg.model.pretrained)
+    from tessera.data.shards import read_index
+
+    index = read_index(d.prepared)
+    kept = "bytes" if index["tokenizer"] == "bytes" else str(Path(d.prepared) / index["tokenizer"])
+    tokenizer = load_tokenizer(d.tokenizer or kept)
+    if tokenizer.vocab_size != index["vocab_size"]:
+        raise ConfigError(
+            f"data.tokenizer has {tokenizer.vocab_size} tokens but data.prepared '{d.prepared}' was tokenized with "
+            f"{index['vocab_size']}: leave data.tokenizer unset (the prepared folder's own is used)."
+        )
+    return tokenizer
+
+
+def check_vocabulary(model: nn.Module, tokens: int, source: str, tokenizer: str | None = None) -> None:
     """Refuse a model whose embedding has fewer rows than the tokenizer has ids, before any step would
     index past it."""
     rows = model.get_input_embeddings().num_embeddings
     if rows < tokens:
         raise ConfigError(
-            f"{source} has a vocabulary of {rows} tokens, but the data's tokenizer (bytes) gives ids up to "
-            f"{tokens - 1}: use a model with at least {tokens} embeddings."
+            f"{source} has a vocabulary of {rows} tokens, but the data's tokenizer ({tokenizer or 'bytes'}) gives "
+            f"ids up to {tokens - 1}: use a model with at least {tokens} embeddings, or a tokenizer that fits it."
         )
 
 

@@ -113,6 +113,30 @@ class DataConfig(_Section):
     paths: list[str] = Field(default_factory=list)
     seq_len: int = Field(128, gt=0, le=MAX_SEQ)
     max_bytes: int = Field(4_000_000, gt=0, le=1 << 34, description="read at most this many bytes of text")
+    tokenizer: str | None = Field(
+        None,
+        description="bytes, or a tokenizer.json (or its directory); unset: data.prepared's, model.pretrained's "
+        "own, else bytes",
+    )
+    prepared: str | None = Field(None, description="a folder `tessera data prepare` wrote: train from its shards")
+    on_bad_record: Literal["stop", "skip"] = "stop"
+
+    @model_validator(mode="after")
+    def _tokenizer_exists(self) -> DataConfig:
+        if self.tokenizer not in (None, "bytes") and not Path(self.tokenizer).exists():
+            raise ValueError(
+                f"data.tokenizer={shown(self.tokenizer)} does not exist: give a tokenizer.json, the directory "
+                "holding it, or bytes"
+            )
+        if self.prepared is not None:
+            if self.paths:
+                raise ValueError("data.prepared trains from prepared shards: leave data.paths empty")
+            if not (Path(self.prepared) / "index.json").is_file():
+                raise ValueError(
+                    f"data.prepared={shown(self.prepared)} holds no index.json: prepare it with `tessera data "
+                    "prepare ... --out FOLDER` (an interrupted preparation resumes when run again)"
+                )
+        return self
 
 
 class OptimizerConfig(_Section):

@@ -99,7 +99,12 @@ def check_training(
         plan = _resolved(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
     except PlanError as exc:
         raise ConfigError(f"plan (for {world} ranks): {exc}") from None
-    check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only: ranks read
+    if cfg.data.prepared:
+        from tessera.data.shards import TokenShards
+
+        TokenShards(cfg.data.prepared, cfg.data.seq_len)  # its index and shard sizes; nothing is read
+    else:
+        check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     check_memory(cfg, plan, nproc)
     check_output_dir(cfg.logging.out_dir, "logging.out_dir")
     if cfg.run_dir.exists() and not cfg.run_dir.is_dir():

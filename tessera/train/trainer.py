@@ -21,12 +21,13 @@ import tessera
 from tessera import faults, traffic
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.cluster.emulate import hooks_from_environment
+from tessera.data.shards import TokenShards
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.memory import release_free_heap
 from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.testbed.seat import current_seat, verify_seat
 from tessera.train import rundir
-from tessera.train.build import build_model, build_optimizer
+from tessera.train.build import build_model, build_optimizer, tokenizer_for
 from tessera.train.config import Config, plan_from_config
 from tessera.train.failures import CollectiveTimeout
 from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
@@ -94,9 +95,10 @@ def train_step(
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: torch.device) -> str:
-    """Sample ``n_bytes`` bytes after ``prompt``; every rank runs it (sharded models need all ranks)."""
-    tok = ByteTokenizer()
+def generate(model: nn.Module, prompt: str, n_bytes: int, seq_len: int, device: torch.device, tok: Any = None) -> str:
+    """Sample ``n_bytes`` tokens (bytes, with the byte tokenizer) after ``prompt``; every rank runs it (sharded
+    models need all ranks). ``tok``: the run's tokenizer (bytes by default)."""
+    tok = tok or ByteTokenizer()
     tokens = torch.tensor([tok.encode(prompt)], device=device)
     g = torch.Generator(device=device).manual_seed(0)  # same draws on every rank
     # Sequence-parallel modules would expect a slice of the sequence: generate on the whole one.
@@ -135,7 +137,12 @@ class Trainer:
             print(f"EMULATED: rank {dist.get_rank()} is {self.emulation.describe()}", flush=True)
         if (seat := current_seat()) is not None:  # tessera train --testbed: checked with the kernel, then said
             print(f"TESTBED: {verify_seat(seat)}", flush=True)
-        dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)
+        self.tokenizer = tokenizer_for(cfg)
+        dataset = (
+            TokenShards(cfg.data.prepared, cfg.data.seq_len)
+            if cfg.data.prepared
+            else PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes, 0, self.tokenizer)
+        )
         model = build_model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, model.parameters()))
@@ -347,7 +354,7 @@ class Trainer:
         cfg, losses = self.cfg, self.losses
         # A pipeline stage cannot generate alone: sampling would need a pipelined decode loop.
         sample = (
-            generate(self.model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, self.booster.device)
+            generate(self.model, "def ", cfg.train.sample_bytes, cfg.data.seq_len, self.booster.device, self.tokenizer)
             if cfg.train.sample_bytes and not self.booster.plan.pipelined
             else ""
         )
