@@ -256,6 +256,24 @@ class Booster:
         self._ctx.after_backward()
         return loss
 
+    def evaluate(
+        self, data_iter: Iterator[Any] | Any, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward only, over the Plan's micro-batches and pipeline stages: the mean loss of this rank's batch
+        (:meth:`reduce_loss` gives the global batch's). Every rank of the layout takes part.
+
+        Example:
+            >>> val = booster.reduce_loss(booster.evaluate(batch, model, loss_fn))
+        """
+        batch = next(data_iter) if isinstance(data_iter, Iterator) else data_iter
+        inputs, target = inputs_and_target(batch)
+        was_training = model.training
+        model.eval()
+        try:
+            return self.engine.evaluate(inputs, target, model, loss_fn)
+        finally:
+            model.train(was_training)
+
     def clip_grad_norm(
         self, model: nn.Module, optimizer: BoostedOptimizer | None = None, max_norm: float = 1.0, norm_type: float = 2.0
     ) -> torch.Tensor:

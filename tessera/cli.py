@@ -482,7 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_argument("--out", required=True, help="the folder to write (started again: resumed)")
     prepare.add_argument("--tokenizer", default="bytes", help="a tokenizer.json or its directory; bytes by default")
     prepare.add_argument("--field", default="text", help="the jsonl field or parquet/arrow column holding the text")
-    prepare.add_argument("--workers", type=_count(1), help="tokenizing processes (default: the CPUs)")
+    prepare.add_argument(
+        "--workers",
+        type=_count(1),
+        help="tokenizing processes (default: 1 for a tokenizer.json, whose library uses every core; the CPUs "
+        "for bytes)",
+    )
     prepare.add_argument(
         "--on-bad-record", choices=("stop", "skip"), default="stop", help="a record that is not JSON or lacks the "
         "field: stop (default) or skip, counted"

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tessera.models import hf
+from tessera.plan import V_SCHEDULES
 
 SEQ = 16
 VOCAB = 128
@@ -107,7 +108,10 @@ def reference_run(kind: str, global_batch: int, steps: int, lr: float = 1e-3, ma
         opt.zero_grad()
         losses.append(loss.item())
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "params": params, "grads": grads}
+    with torch.no_grad():  # the trained model's loss on the first global batch, forward only
+        x, y = next(global_batches(TokenData(), global_batch, 1))
+        evaluated = loss_fn(model(x), y).item()
+    return {"losses": losses, "norms": norms, "params": params, "grads": grads, "eval": evaluated}
 
 
 def tessera_run(
@@ -147,8 +151,13 @@ def tessera_run(
         opt.zero_grad()
         losses.append(float(booster.reduce_loss(loss)))
     state = booster.full_state_dict(model)
+    first = next(iter(booster.dataloader(TokenData(), global_batch_size=global_batch, seed=0)))
+    evaluated = None  # forward only, every layout but torch's V schedules (refused: test_eval)
+    if not (booster.plan.pipelined and booster.plan.pipeline.schedule in V_SCHEDULES):
+        evaluated = float(booster.reduce_loss(booster.evaluate(first, model, loss_fn)))
     rank0 = dist.get_rank() == 0
-    return {"losses": losses, "norms": norms, "params": state if rank0 else None, "grads": grads if rank0 else None}
+    return {"losses": losses, "norms": norms, "params": state if rank0 else None, "grads": grads if rank0 else None,
+            "eval": evaluated}  # fmt: skip
 
 
 def plain_loop_losses(booster, model: nn.Module, opt, global_batch: int, steps: int) -> list[float]:
@@ -187,6 +196,8 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
 
 def assert_same_training(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=rtol, atol=atol)
+    if got.get("eval") is not None:
+        torch.testing.assert_close(torch.tensor(got["eval"]), torch.tensor(want["eval"]), rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=rtol, atol=atol)
     for part in ("params", "grads") if got.get("grads") is not None else ("params",):
         assert got[part].keys() == want[part].keys(), f"{part}: {sorted(got[part])} vs {sorted(want[part])}"

@@ -142,8 +142,10 @@ def _line_ranges(path: Path) -> list[tuple[int, int, int]]:
 _TOKENIZER: Any = None
 
 
-def _init_worker(tokenizer: str) -> None:
+def _init_worker(tokenizer: str, threads: bool = True) -> None:
     global _TOKENIZER
+    if not threads:  # a pool's workers: one thread each (the tokenizers library would use every core in each)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _TOKENIZER = load_tokenizer(tokenizer)
 
 
@@ -243,7 +245,10 @@ def prepare(
     started, made = time.perf_counter(), 0
     bar = _Progress(len(pieces), len(done), progress)
     jobs = [(p, out, field, on_bad_record, dtype) for p in todo]
-    workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+    # The tokenizers library already encodes a batch on every core: one process by default (2 processes ran
+    # 0.89x as fast as 1 on 2 cores, docs/benchmarks.md); the byte tokenizer is Python: a process per core.
+    default = 1 if spec != "bytes" else os.cpu_count() or 1
+    workers = max(1, min(workers or default, len(todo) or 1))
     if workers == 1:
         _init_worker(spec)
         results = map(_tokenize, jobs)
@@ -251,7 +256,7 @@ def prepare(
     else:
         import multiprocessing
 
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,))
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec, False))
         results = pool.imap_unordered(_tokenize, jobs)
     try:
         for counts in results:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from tessera.distributed import local
-from tessera.errors import PlanError
+from tessera.errors import NotSupportedYet, PlanError
 from tessera.parallel.policy import PipelineLayout
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import SCHEDULES as PLAN_SCHEDULES
@@ -256,12 +257,34 @@ class PipelineRunner:
         ``factor`` multiplies each micro-batch loss before backward (share weight, fp16 scale);
         the returned loss is the user's, without it.
         """
+        return self._run(inputs, target, loss_fn, factor, self.schedule.step)
+
+    @torch.no_grad()
+    def eval(
+        self, inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward only (the schedule's ``eval``): the mean micro-batch loss, on every stage."""
+        if self.spec.schedule in V_SCHEDULES:
+            raise NotSupportedYet(
+                f"forward-only passes (evaluation) with schedule {self.spec.schedule!r} are not supported yet: "
+                "torch 2.13's V schedules cannot run eval(); use 1f1b, interleaved_1f1b or interleaved_zero_bubble."
+            )
+        return self._run(inputs, target, loss_fn, 1.0, self.schedule.eval)
+
+    def _run(
+        self,
+        inputs: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        factor: float,
+        run: Callable[..., Any],
+    ) -> torch.Tensor:
         mb = self.spec.microbatches
         check_microbatches(inputs.shape[0], mb)
         self._loss_fn = lambda out, tgt: loss_fn(out, tgt) * (factor / mb)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first else ()
-        self.schedule.step(*args, target=target if self.holds_last else None, losses=losses)
+        run(*args, target=target if self.holds_last else None, losses=losses)
         device = inputs.device
         if self.holds_last:
             loss = torch.stack([local(x.detach()).float() for x in losses]).sum() / factor

@@ -88,6 +88,10 @@ class Engine:
         """Forward and backward of this rank's batch over the Plan's micro-batches; the mean loss."""
         raise NotImplementedError
 
+    def evaluate(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        """Forward only, over the Plan's micro-batches: the mean loss of this rank's batch."""
+        return forward_only(self.ctx, inputs, target, model, loss_fn)
+
     def grad_group(self) -> dist.ProcessGroup | None:
         """The group that averages gradients (ZeRO-1 shards the optimizer state over it)."""
         return self.ctx.meshes.grad.get_group()
@@ -119,6 +123,18 @@ def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module
                 loss = loss_fn(model(x), y)
             ctx.backward(loss / n)
         total += distributed.local(loss.detach()).float()
+    return total / n
+
+
+@torch.no_grad()
+def forward_only(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+    """Micro-batches forward (no pipeline): the mean loss, nothing kept for a backward."""
+    n = ctx.plan.pipeline.microbatches
+    check_microbatches(inputs.shape[0], n)
+    total = torch.zeros((), device=inputs.device)
+    for x, y in zip(inputs.chunk(n), target.chunk(n)):
+        with ctx.loss_parallel():
+            total += distributed.local(loss_fn(model(x), y)).float()
     return total / n
 
 

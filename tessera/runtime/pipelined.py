@@ -81,6 +81,10 @@ class PipelineEngine(Engine):
             average_gradients(params, group)
         return loss
 
+    def evaluate(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        with self.ctx.loss_parallel():
+            return self.runner.eval(inputs, target, loss_fn)
+
     def norm_groups(self) -> tuple[tuple[Any, ...], Collection[int]]:
         # Stages hold disjoint parameters: their partial norms add up over the pp group (a tied
         # weight's copies are counted on one rank only).

@@ -14,7 +14,7 @@ from torch import nn
 from tessera.errors import PlanError
 from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model
 from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
-from tessera.runtime.engine import Context, Engine, LossFn, accumulate
+from tessera.runtime.engine import Context, Engine, LossFn, accumulate, forward_only
 from tessera.runtime.parallelize import parallelize
 from tessera.runtime.pipelined import announce_stages, run_schedule
 
@@ -70,6 +70,12 @@ class ReplicasEngine(Engine):
             loss = run_schedule(ctx, self.runner, inputs, target, loss_fn)
         self.layer_sync.sync()
         return loss
+
+    def evaluate(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        if self.runner is None:
+            return forward_only(self.ctx, inputs, target, model, loss_fn)
+        with self.ctx.loss_parallel():
+            return self.runner.eval(inputs, target, loss_fn)
 
     def grad_group(self) -> dist.ProcessGroup | None:
         return None  # Plan.replicas refuses ZeRO: nothing shards over a group

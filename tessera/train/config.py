@@ -119,6 +119,9 @@ class DataConfig(_Section):
         "own, else bytes",
     )
     prepared: str | None = Field(None, description="a folder `tessera data prepare` wrote: train from its shards")
+    validation: float = Field(
+        0.0, ge=0, lt=0.5, description="the share of the data's sequences held out for eval (the last ones)"
+    )
     on_bad_record: Literal["stop", "skip"] = "stop"
 
     @model_validator(mode="after")
@@ -234,6 +237,14 @@ class CheckpointConfig(_Section):
     resume: Literal["auto", "never"] = "auto"
 
 
+class EvalConfig(_Section):
+    """Held-out loss and perplexity every ``every`` steps (and at the end) on the first ``batches`` global
+    batches of ``data.validation``'s sequences."""
+
+    every: int = Field(0, ge=0, le=MAX_STEPS, description="evaluate every N steps (0: never)")
+    batches: int = Field(4, gt=0, le=1 << 20, description="global batches of held-out sequences per evaluation")
+
+
 class LoggingConfig(_Section):
     run_name: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     out_dir: str = "runs"
@@ -249,7 +260,17 @@ class Config(_Section):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _held_out_for_eval(self) -> Config:
+        if self.eval.every and not self.data.validation:
+            raise ValueError(
+                f"eval.every={self.eval.every} evaluates on held-out sequences: set data.validation (e.g. 0.05, "
+                "the share of the data held out)"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

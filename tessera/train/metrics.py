@@ -139,8 +139,12 @@ def plot_loss(metrics_path: Path, out_png: Path, title: str) -> None:
 
     records = [r for r in latest_records(metrics_path) if "loss" in r]
     steps, losses = [r["step"] for r in records], [r["loss"] for r in records]
+    held = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(steps, losses, color="tab:blue")
+    ax.plot(steps, losses, color="tab:blue", label="training")
+    if held:  # eval.every: the held-out loss beside it
+        ax.plot(*zip(*held), color="tab:orange", marker="o", markersize=3, label="held out")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss (global batch)")
     ax.set_title(title)

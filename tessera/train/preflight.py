@@ -16,7 +16,7 @@ from tessera.data.sharding import split_batch
 from tessera.errors import PlanError
 from tessera.inputs import check_output_dir
 from tessera.parallel.fault_tolerant import check_group_job
-from tessera.plan import Plan
+from tessera.plan import V_SCHEDULES, Plan
 from tessera.train.config import Config, ConfigError, load_config, plan_from_config
 
 # Bytes per parameter a rank holds besides the weights it builds: fp32 gradients and Adam's two moments.
@@ -106,6 +106,12 @@ def check_training(
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     check_memory(cfg, plan, nproc)
+    if cfg.eval.every and plan.pipelined and plan.pipeline.schedule in V_SCHEDULES:
+        raise ConfigError(
+            f"eval.every runs forward-only passes, which schedule {plan.pipeline.schedule!r} cannot (torch 2.13's V "
+            "schedules have no eval()): use plan.schedule 1f1b, interleaved_1f1b or interleaved_zero_bubble, or "
+            "eval.every: 0."
+        )
     check_output_dir(cfg.logging.out_dir, "logging.out_dir")
     if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
         raise ConfigError(f"the run directory '{cfg.run_dir}' is a file: choose another logging.run_name.")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import Dataset, Subset
 
 import tessera
 from tessera import faults, traffic
@@ -28,7 +29,7 @@ from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.testbed.seat import current_seat, verify_seat
 from tessera.train import rundir
 from tessera.train.build import build_model, build_optimizer, tokenizer_for
-from tessera.train.config import Config, plan_from_config
+from tessera.train.config import Config, ConfigError, plan_from_config
 from tessera.train.failures import CollectiveTimeout
 from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
 
@@ -53,6 +54,20 @@ def logits_of(output: Any) -> torch.Tensor:
 
 def next_token_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_of(output).float().flatten(0, 1), targets.flatten())
+
+
+def split_validation(dataset: Dataset, share: float, global_batch: int) -> tuple[Dataset, Dataset | None]:
+    """The training sequences and the held-out ones (the last ``share`` of them; None when 0)."""
+    if not share:
+        return dataset, None
+    n = len(dataset)
+    held = int(n * share)
+    if held < global_batch or n - held < global_batch:
+        raise ConfigError(
+            f"data.validation={share} holds out {held} of the data's {n} sequences, but each side needs a global "
+            f"batch (train.global_batch_size={global_batch}): change data.validation or add data."
+        )
+    return Subset(dataset, range(n - held)), Subset(dataset, range(n - held, n))
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -147,7 +162,13 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, model.parameters()))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
-        self.loader = self.booster.dataloader(dataset, cfg.train.global_batch_size, seed=cfg.train.seed)
+        train_set, held_out = split_validation(dataset, cfg.data.validation, cfg.train.global_batch_size)
+        self.loader = self.booster.dataloader(train_set, cfg.train.global_batch_size, seed=cfg.train.seed)
+        self.val_loader = (
+            self.booster.dataloader(held_out, cfg.train.global_batch_size, seed=cfg.train.seed, shuffle=False)
+            if held_out is not None
+            else None
+        )
         self.ckpt_root = cfg.run_dir / "checkpoints"
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.saving = False  # where() tells a failure inside a save from one inside a step
@@ -230,8 +251,12 @@ class Trainer:
                 faults.before_step(self.step + 1)
                 t0 = time.perf_counter()
                 measured = self.step + 1 == cfg.train.measure_memory_at
+                evaluated = bool(cfg.eval.every) and (
+                    (self.step + 1) % cfg.eval.every == 0 or self.step + 1 == last_step
+                )
                 reported = (
                     measured
+                    or evaluated
                     or (self.step + 1) % cfg.train.log_every == 0
                     or self.step + 1 in (start_step + 1, last_step)
                 )
@@ -256,7 +281,9 @@ class Trainer:
                 if reported:
                     timing = (time.perf_counter() - t0, time.perf_counter() - start_time, self.step - start_step)
                     peak_bytes = peak[0] if measured else None
-                    self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing, peak_bytes)
+                    held = self.evaluate() if evaluated else None
+                    self._report(log, progress, global_loss, lr, float(grad_norm), state_bytes, timing, peak_bytes,
+                                 held)  # fmt: skip
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.checkpoint()
                 if self.step % HEAP_TRIM_EVERY == 0:
@@ -269,6 +296,18 @@ class Trainer:
         if not cfg.checkpoint.every or self.step % cfg.checkpoint.every:
             self.checkpoint()
         return self._finish(log, start_step)
+
+    def evaluate(self) -> float:
+        """The mean loss over the first ``eval.batches`` global batches of held-out sequences (every rank)."""
+        assert self.val_loader is not None
+        self.val_loader.set_epoch(0, 0)
+        losses = []
+        for batch in self.val_loader:
+            loss = self.booster.evaluate(batch, self.model, next_token_loss)
+            losses.append(float(self.booster.reduce_loss(loss)))
+            if len(losses) == self.cfg.eval.batches:
+                break
+        return sum(losses) / len(losses)
 
     def _follow_the_groups(self) -> bool:
         """Under fault-tolerant Plan.groups a group that came back takes a live group's step count at its
@@ -295,6 +334,7 @@ class Trainer:
         state_bytes: int,
         timing: tuple[float, float, int],
         peak_bytes: int | None = None,
+        held_out: float | None = None,
     ) -> None:
         """One metrics record (rank 0 writes it; every rank joins the per-rank byte counts)."""
         # One gather of what every rank knows: its state bytes, its peak (at train.measure_memory_at, the
@@ -327,6 +367,8 @@ class Trainer:
         }
         if peak_bytes is not None:
             record["peak_tensor_bytes_per_rank"] = per_rank_peaks
+        if held_out is not None:  # TensorBoard and the loss plot take them from here
+            record["val_loss"], record["val_perplexity"] = held_out, math.exp(min(held_out, 80.0))
         if syncs := self._new_outer_syncs():
             record["outer_syncs"] = syncs
         if self.job_peak:
