@@ -273,6 +273,9 @@ class Booster:
             return self.engine.evaluate(inputs, target, model, loss_fn)
         finally:
             model.train(was_training)
+            # ZeRO-2 keeps gathered parameters after a forward for the backward, which reshards them; with no
+            # backward they would stay whole, and the next checkpoint would not find the optimizer's shards
+            data_parallel.reshard(model)
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: BoostedOptimizer | None = None, max_norm: float = 1.0, norm_type: float = 2.0
@@ -297,6 +300,28 @@ class Booster:
             value *= self._group_weights()[self.group_index]
             dist.all_reduce(value, group=self._ctx.meshes.group("group"))
         return value
+
+    def token_mean_scale(self, target: torch.Tensor, ignore_index: int = -100) -> float:
+        """The factor that makes a micro-batch's loss *summed* over its tokens (``reduction="sum"``) this rank's
+        part of the mean over every counted token (``target != ignore_index``) of the global batch: gradients
+        and :meth:`reduce_loss` then both give that mean in every layout, however unevenly the counted tokens
+        (a fine-tuning set's responses) fall on ranks and micro-batches. One all-reduce of a count.
+
+        Example:
+            >>> k = booster.token_mean_scale(batch["y"])
+            >>> loss = booster.execute_pipeline(batch, model, lambda o, y: F.cross_entropy(
+            ...     o.flatten(0, 1), y.flatten(), reduction="sum") * k, optimizer)
+        """
+        if self.plan.groups is not None:
+            raise PlanError(
+                "token_mean_scale with Plan.groups is not supported yet: each group's optimizer would need the "
+                "count of its own data only; average per sample instead, or train without groups."
+            )
+        count = (distributed.local(target) != ignore_index).sum().to(torch.float64).reshape(1)
+        total = float(self.engine.sum_over_data(count))
+        if total == 0:
+            raise PlanError("token_mean_scale: the global batch has no counted token (every target is ignored).")
+        return self.plan.pipeline.microbatches * self.engine.data_ranks() / (self._ctx.loss_weight * total)
 
     # ------------------------------------------------------------------- data
     def dataloader(

@@ -125,6 +125,7 @@ def copy_tokenizer(source: Path, out_dir: Path) -> None:
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
+    from tessera.models.lora import merged
     from tessera.train.build import build_model
     from tessera.train.config import parse_config
 
@@ -139,7 +140,7 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
         )
     model = build_model(cfg, weights=False)  # the checkpoint's weights go into it
     model.load_state_dict(load_full_model_state(path), strict=True)
-    model.save_pretrained(str(out_dir))
+    merged(model).save_pretrained(str(out_dir))  # LoRA adapters folded into a full model
     if cfg.model.pretrained is not None:  # a complete Hugging Face directory: the tokenizer beside the weights
         copy_tokenizer(Path(cfg.model.pretrained), Path(out_dir))
     return Path(out_dir)

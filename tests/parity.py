@@ -73,6 +73,14 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         return hf.gpt2(n_layer=n_layers, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ)
     if kind == "hf_llama":
         return hf.llama(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
+    if kind == "lora":  # the Hugging Face Llama with peft's LoRA adapters on attention's q and v
+        from peft import LoraConfig, get_peft_model
+
+        base = hf.llama(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
+        lora = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights="gaussian"
+        )  # fmt: skip  (B random too: the adapters change the loss)
+        return get_peft_model(base, lora)
     if kind == "hf_qwen2":
         return hf.qwen2(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
     raise ValueError(kind)
@@ -100,7 +108,8 @@ def reference_run(kind: str, global_batch: int, steps: int, lr: float = 1e-3, ma
         loss = loss_fn(model(x), y)
         loss.backward()
         if not grads:  # the first step's gradients, before clipping
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+                     if p.requires_grad}  # fmt: skip
         # max_norm=inf records the global norm without clipping: Adam hides a uniformly
         # mis-scaled gradient, the norm does not.
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))))
@@ -184,6 +193,9 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
 
     out = {}
     for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied weights under every name
+        if not p.requires_grad:  # frozen (LoRA's base weights): no gradient anywhere
+            assert p.grad is None, f"{name} is frozen but has a gradient"
+            continue
         g = p.grad
         out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
     group = booster.stage_group

@@ -144,13 +144,21 @@ def test_corrupted_checkpoint_is_refused(trained_run: Path) -> None:
     assert _tree_digest(runs) == before
 
 
-def test_shipped_example_configs_validate() -> None:
+def test_shipped_example_configs_validate(tmp_path: Path) -> None:
+    """Every example validates; the fine-tuning one names the user's own model and data, so those two paths
+    are set to a saved model and a jsonl file made here."""
+    from tessera.models import hf
     from tessera.train.config import load_config
 
     examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
     assert len(examples) >= 3
+    hf.llama(n_layer=1, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=300, seq_len=32).save_pretrained(
+        tmp_path / "llama"
+    )
+    (tmp_path / "train.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
+    yours = [f"model.pretrained={tmp_path / 'llama'}", f"data.instructions=[{tmp_path / 'train.jsonl'}]"]
     for path in examples:
-        load_config(path)
+        load_config(path, yours if path.name.startswith("finetune") else [])
 
 
 def test_every_field_of_the_plan_is_a_config_key_and_arrives() -> None:

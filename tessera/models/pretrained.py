@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tessera.inputs import InputError
+from tessera.models.lora import base_name
 
 INDEX = "model.safetensors.index.json"
 ATTRIBUTE = "_tessera_pretrained"  # where the model keeps its source until the runtime loads it
@@ -40,9 +41,11 @@ class Pretrained:
     stored: dict[str, tuple[int, ...]]  # tensor name -> shape, as the files hold them
     aliases: dict[str, tuple[str, ...]]  # each parameter or buffer name -> every name it has (tied weights)
 
-    def key(self, name: str) -> str:
-        """The name the files hold ``name``'s values under (a tied weight is stored under one of its names)."""
-        return next(alias for alias in self.aliases.get(name, (name,)) if alias in self.stored)
+    def key(self, name: str) -> str | None:
+        """The name the files hold ``name``'s values under (a tied weight is stored under one of its names;
+        peft's names are read as the base model's), or None: not from the files (a LoRA adapter)."""
+        name = base_name(name)
+        return next((alias for alias in self.aliases.get(name, (name,)) if alias in self.stored), None)
 
 
 def source_of(model: nn.Module) -> Pretrained | None:
@@ -181,17 +184,19 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give the parameters ``module`` holds (whole, tensor-parallel or FSDP shards) memory on ``device``,
-    uninitialised until :func:`load_into` fills them; buffers keep their values."""
-    kept = {n: b.detach().to(device) for n, b in module.named_buffers() if not b.is_meta}
+    uninitialised until :func:`load_into` fills them; buffers, and parameters that had values already
+    (LoRA adapters), keep them."""
+    tensors = [*module.named_buffers(), *module.named_parameters()]
+    kept = {n: t.detach().to(device).clone() for n, t in tensors if not t.is_meta}
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each Parameter object kept: ties survive
     try:
         module.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-    for name, buffer in module.named_buffers():
+    for name, tensor in [*module.named_buffers(), *module.named_parameters()]:
         if name in kept:
-            buffer.copy_(kept[name])
+            tensor.copy_(kept[name])
 
 
 def load_into(module: nn.Module, source: Pretrained) -> None:
@@ -202,6 +207,6 @@ def load_into(module: nn.Module, source: Pretrained) -> None:
     state = {}
     for name, tensor in _loaded_state(module).items():
         key = source.key(name)
-        if key not in state:  # a tied weight held under two names is loaded once
+        if key is not None and key not in state:  # a tied weight held under two names is loaded once
             state[key] = tensor.data if isinstance(tensor, nn.Parameter) else tensor
     load(state, storage_reader=HuggingFaceStorageReader(str(source.path)), no_dist=True)

@@ -120,6 +120,13 @@ def _replicate(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module]) -> n
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP unit of ``model`` (nothing for other layouts)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside any wrapper Tessera added."""
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -111,6 +111,15 @@ class Engine:
         """The ranks over which this rank's part of the model is spread (None: it holds all of it)."""
         return None
 
+    def data_ranks(self) -> int:
+        """How many ranks' weighted losses :meth:`reduce_loss` averages (and gradients are averaged over)."""
+        return self.ctx.meshes.grad.size()
+
+    def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a count of this rank's data) summed over the global batch, each sample once."""
+        dist.all_reduce(value, group=self.ctx.meshes.grad.get_group())
+        return value
+
 
 def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
     """Micro-batches as gradient accumulation (no pipeline): synchronise on the last one only."""

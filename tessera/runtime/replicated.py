@@ -91,3 +91,11 @@ class ReplicasEngine(Engine):
 
     def state_group(self) -> dist.ProcessGroup | None:
         return self.group
+
+    def data_ranks(self) -> int:
+        return self.ctx.plan.dp  # a layer's gradient is averaged over the replicas holding it
+
+    def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        value /= len(self.replica.ranks)  # every stage of a replica holds the replica's batch
+        dist.all_reduce(value)
+        return value

@@ -18,6 +18,17 @@ from tessera.train.config import Config, ConfigError
 
 
 def build_model(cfg: Config, weights: bool = True) -> nn.Module:
+    """:func:`base_model`, with peft's LoRA adapters when ``model.lora`` is set (the base frozen)."""
+    model = base_model(cfg, weights)
+    if cfg.model.lora is None:
+        return model
+    from tessera.models.lora import with_lora
+
+    lora = cfg.model.lora
+    return with_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+
+
+def base_model(cfg: Config, weights: bool = True) -> nn.Module:
     """The model ``cfg.model`` describes, with the tokenizer's vocabulary and ``data.seq_len`` positions (a
     model from a config or pretrained: its own, checked to hold every id the tokenizer gives; pretrained
     parameters stay on meta until the Booster lays the model out and loads them; ``weights=False``:

@@ -54,6 +54,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
+class LoraSpec(_Section):
+    """LoRA adapters through peft: rank ``r``, scale ``alpha``/``r``, on the layers named ``target_modules``."""
+
+    r: int = Field(8, gt=0, le=4096)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+
+
 class ModelConfig(_Section):
     """``kind: llama`` is the reference model sized by the fields below; ``kind: hf_gpt2`` /
     ``hf_llama`` build a Hugging Face model from the same sizes; ``kind: hf_config`` builds
@@ -64,6 +73,7 @@ class ModelConfig(_Section):
     kind: Literal["llama", "hf_gpt2", "hf_llama", "hf_config", "hf_pretrained"] = "llama"
     hf_config: str | None = None
     pretrained: str | None = None
+    lora: LoraSpec | None = None
     dim: int = Field(128, gt=0, le=MAX_DIM)
     n_layers: int = Field(4, gt=0, le=MAX_LAYERS)
     n_heads: int = Field(4, gt=0, le=MAX_DIM)
@@ -119,6 +129,10 @@ class DataConfig(_Section):
         "own, else bytes",
     )
     prepared: str | None = Field(None, description="a folder `tessera data prepare` wrote: train from its shards")
+    instructions: list[str] = Field(
+        default_factory=list,
+        description="jsonl files of prompt/response or messages records: fine-tune on the responses only",
+    )
     validation: float = Field(
         0.0, ge=0, lt=0.5, description="the share of the data's sequences held out for eval (the last ones)"
     )
@@ -131,6 +145,8 @@ class DataConfig(_Section):
                 f"data.tokenizer={shown(self.tokenizer)} does not exist: give a tokenizer.json, the directory "
                 "holding it, or bytes"
             )
+        if self.instructions and (self.paths or self.prepared):
+            raise ValueError("data.instructions is the training data: leave data.paths and data.prepared unset")
         if self.prepared is not None:
             if self.paths:
                 raise ValueError("data.prepared trains from prepared shards: leave data.paths empty")

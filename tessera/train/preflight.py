@@ -99,7 +99,15 @@ def check_training(
         plan = _resolved(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
     except PlanError as exc:
         raise ConfigError(f"plan (for {world} ranks): {exc}") from None
-    if cfg.data.prepared:
+    if cfg.data.instructions:  # every record read and tokenized here: a bad one is named before launch
+        from tessera.data.instructions import InstructionData
+        from tessera.train.build import tokenizer_for
+
+        if plan.groups is not None:
+            raise ConfigError("data.instructions with plan.groups is not supported yet: fine-tune without groups.")
+        paths = resolve_paths(cfg.data.instructions)
+        InstructionData(paths, tokenizer_for(cfg), cfg.data.seq_len, cfg.data.on_bad_record)
+    elif cfg.data.prepared:
         from tessera.data.shards import TokenShards
 
         TokenShards(cfg.data.prepared, cfg.data.seq_len)  # its index and shard sizes; nothing is read

@@ -22,6 +22,7 @@ import tessera
 from tessera import faults, traffic
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.cluster.emulate import hooks_from_environment
+from tessera.data.instructions import InstructionData
 from tessera.data.shards import TokenShards
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.memory import release_free_heap
@@ -75,6 +76,18 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def response_token_loss(booster: tessera.Booster, batch: dict) -> Any:
+    """Fine-tuning's loss for ``batch``: the mean over the global batch's response tokens (targets not
+    -100), whatever the layout (:meth:`tessera.Booster.token_mean_scale`)."""
+    scale = booster.token_mean_scale(batch["y"])
+
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(output).float().flatten(0, 1)
+        return F.cross_entropy(logits, targets.flatten(), reduction="sum") * scale
+
+    return loss
+
+
 def train_step(
     model: nn.Module,
     optimizer: Any,
@@ -83,13 +96,14 @@ def train_step(
     grad_clip: float | None,
     step: int,
     timeout_s: float,
+    loss_fn: Any = next_token_loss,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Forward, backward, clip, optimizer step; returns (local loss, grad norm, model-state bytes).
 
     A collective that times out becomes a CollectiveTimeout naming the group and the step.
     """
     try:
-        loss = booster.execute_pipeline(batch, model, next_token_loss, optimizer)
+        loss = booster.execute_pipeline(batch, model, loss_fn, optimizer)
         grad_norm = booster.clip_grad_norm(model, optimizer, max_norm=grad_clip or math.inf)
         optimizer.step()
         state_bytes = int(tessera.memory.model_state_bytes(model, optimizer))
@@ -153,14 +167,19 @@ class Trainer:
         if (seat := current_seat()) is not None:  # tessera train --testbed: checked with the kernel, then said
             print(f"TESTBED: {verify_seat(seat)}", flush=True)
         self.tokenizer = tokenizer_for(cfg)
-        dataset = (
-            TokenShards(cfg.data.prepared, cfg.data.seq_len)
-            if cfg.data.prepared
-            else PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes, 0, self.tokenizer)
-        )
+        self.fine_tuning = bool(cfg.data.instructions)  # the loss on response tokens only
+        if self.fine_tuning:
+            dataset = InstructionData(
+                resolve_paths(cfg.data.instructions), self.tokenizer, cfg.data.seq_len, cfg.data.on_bad_record
+            )
+        elif cfg.data.prepared:
+            dataset = TokenShards(cfg.data.prepared, cfg.data.seq_len)
+        else:
+            dataset = PackedText(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes, 0, self.tokenizer)
         model = build_model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, model.parameters()))
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, trainable))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
         train_set, held_out = split_validation(dataset, cfg.data.validation, cfg.train.global_batch_size)
         self.loader = self.booster.dataloader(train_set, cfg.train.global_batch_size, seed=cfg.train.seed)
@@ -270,6 +289,7 @@ class Trainer:
                         cfg.optimizer.grad_clip,
                         self.step + 1,
                         cfg.train.timeout_s,
+                        self._loss_for(batch),
                     )
                 traffic.timing(False)
                 lr = self.schedule.get_last_lr()[0]
@@ -297,13 +317,16 @@ class Trainer:
             self.checkpoint()
         return self._finish(log, start_step)
 
+    def _loss_for(self, batch: dict) -> Any:
+        return response_token_loss(self.booster, batch) if self.fine_tuning else next_token_loss
+
     def evaluate(self) -> float:
         """The mean loss over the first ``eval.batches`` global batches of held-out sequences (every rank)."""
         assert self.val_loader is not None
         self.val_loader.set_epoch(0, 0)
         losses = []
         for batch in self.val_loader:
-            loss = self.booster.evaluate(batch, self.model, next_token_loss)
+            loss = self.booster.evaluate(batch, self.model, self._loss_for(batch))
             losses.append(float(self.booster.reduce_loss(loss)))
             if len(losses) == self.cfg.eval.batches:
                 break

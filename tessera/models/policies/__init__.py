@@ -37,6 +37,11 @@ def policy_for(model: nn.Module, feature: str = "tensor parallelism") -> Policy:
 def missing_policy(model: nn.Module, feature: str) -> PlanError:
     """The error for a ``feature`` that needs a policy ``model``'s family does not have."""
     names = ", ".join(p.name for p in POLICIES)
+    if type(model).__name__.startswith("Peft"):
+        return PlanError(
+            f"{feature} with LoRA adapters (a peft model) is not supported yet: train the adapters with data "
+            f"parallelism or ZeRO (Plan.{_field(feature)}=1)."
+        )
     return PlanError(
         f"{feature} has no policy for {type(model).__name__}: policies exist for {names}. "
         f"Use Plan.{_field(feature)}=1 (data parallelism and ZeRO work for any model)."

@@ -1,0 +1,156 @@
+"""Instruction and chat data for fine-tuning, with the loss on the response tokens only.
+
+Each jsonl record is ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role": ..., "content":
+...}, ...]}`` (roles system, user, assistant), the latter rendered with the tokenizer's chat template
+(``chat_template`` in the ``tokenizer_config.json`` beside its ``tokenizer.json``). A record becomes one
+sequence of ``seq_len + 1`` tokens: the prompt's (or non-assistant turns') targets are ``-100``, which the
+loss ignores, as is the padding after the record; a record longer than the sequence is cut (counted).
+One record per sequence keeps records apart: no token attends to another record's.
+
+The loss over a global batch is the mean over its response tokens, whatever the layout:
+:meth:`tessera.Booster.token_mean_scale` makes each rank's summed loss count its tokens against the
+global batch's.
+
+Example::
+
+    data = InstructionData(["sft.jsonl"], tokenizer, seq_len=512)
+    data[0]  # {"x": 512 token ids, "y": 512 targets, -100 outside the response}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from tessera.inputs import InputError
+
+IGNORED = -100  # F.cross_entropy's ignore_index: not counted in the loss
+ROLES = ("system", "user", "assistant")
+
+
+def read_records(paths: list[str], on_bad_record: str = "stop") -> tuple[list[dict[str, Any]], int]:
+    """Every record of the jsonl files, with its ``file:line``; records that are not JSON objects are an
+    error there (``on_bad_record: stop``) or left out and counted (``skip``)."""
+    records, skipped = [], 0
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                if on_bad_record == "stop":
+                    raise InputError(
+                        f"{path}:{n}: not a JSON object ({exc}) (data.on_bad_record: skip leaves such lines out, "
+                        "counted)."
+                    ) from None
+                skipped += 1
+                continue
+            records.append({**record, "_where": f"{path}:{n}"})
+    if not records:
+        raise InputError(f"data.instructions {', '.join(paths)} hold no records ({skipped} skipped).")
+    return records, skipped
+
+
+class ChatTemplate:
+    """A tokenizer's chat template (transformers renders it), split into each message's text."""
+
+    def __init__(self, tokenizer_json: Path) -> None:
+        from transformers import PreTrainedTokenizerFast
+
+        config = tokenizer_json.parent / "tokenizer_config.json"
+        template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+        if not template:
+            raise InputError(
+                f"the tokenizer '{tokenizer_json}' has no chat_template (tokenizer_config.json beside it): write "
+                "records as prompt/response, or give a tokenizer with a chat template."
+            )
+        self.renderer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=template)
+
+    def segments(self, messages: list[dict[str, str]]) -> list[tuple[str, str]]:
+        """``(role, text)`` pieces of the rendered conversation, in order: each message's text (the conversation
+        up to it, less the one before it); an assistant turn's header (what the template adds for
+        ``add_generation_prompt``) goes with the turn before it, so the loss counts what the model says."""
+        out, done = [], ""
+        for k in range(1, len(messages) + 1):
+            role = messages[k - 1]["role"]
+            if role == "assistant":
+                header = self.renderer.apply_chat_template(
+                    messages[: k - 1], tokenize=False, add_generation_prompt=True
+                )
+                if header.startswith(done) and len(header) > len(done):
+                    out.append(("header", header[len(done) :]))
+                    done = header
+            text = self.renderer.apply_chat_template(messages[:k], tokenize=False)
+            if not text.startswith(done):
+                raise InputError("the chat template does not render a conversation as its messages in order.")
+            out.append((role, text[len(done) :]))
+            done = text
+        return out
+
+
+def tokenize_record(record: dict[str, Any], tokenizer: Any, chat: ChatTemplate | None) -> tuple[list[int], list[bool]]:
+    """The record's tokens and which of them the loss counts (the response's, and its end token)."""
+    where = record.get("_where", "a record")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise InputError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise InputError(f"{where}: every message needs a string 'content'.")
+            if m.get("role") not in ROLES:
+                raise InputError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)}).")
+        if chat is None:
+            raise InputError(f"{where}: a messages record needs a tokenizer with a chat template (data.tokenizer).")
+        ids, counted = [], []
+        for role, text in chat.segments([{"role": m["role"], "content": m["content"]} for m in messages]):
+            piece = tokenizer.encode(text)
+            ids += piece
+            counted += [role == "assistant"] * len(piece)
+        return ids, counted
+    prompt, response = record.get("prompt"), record.get("response")
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise InputError(f"{where}: a record needs string 'prompt' and 'response' fields, or 'messages'.")
+    head, tail = tokenizer.encode(prompt), [*tokenizer.encode(response), *tokenizer.end_of_document]
+    return head + tail, [False] * len(head) + [True] * len(tail)
+
+
+class InstructionData(Dataset):
+    """One record per sequence: ``x`` its tokens (padded), ``y`` the next tokens where the loss counts them,
+    else -100. ``truncated``: records longer than ``seq_len + 1`` tokens, cut."""
+
+    def __init__(
+        self, paths: list[str], tokenizer: Any, seq_len: int, on_bad_record: str = "stop", pad_id: int = 0
+    ) -> None:
+        records, self.skipped = read_records(paths, on_bad_record)
+        tokenizer_json = getattr(tokenizer, "path", None)
+        needs_chat = any("messages" in r for r in records)
+        chat = ChatTemplate(tokenizer_json) if needs_chat and tokenizer_json is not None else None
+        n = len(records)
+        self.x = torch.full((n, seq_len), pad_id, dtype=torch.long)
+        self.y = torch.full((n, seq_len), IGNORED, dtype=torch.long)
+        self.truncated = 0
+        for i, record in enumerate(records):
+            ids, counted = tokenize_record(record, tokenizer, chat)
+            if len(ids) > seq_len + 1:
+                self.truncated += 1
+                ids, counted = ids[: seq_len + 1], counted[: seq_len + 1]
+            tokens = torch.tensor(ids)
+            self.x[i, : len(ids) - 1] = tokens[:-1]
+            target = torch.where(torch.tensor(counted[1:]), tokens[1:], IGNORED)
+            self.y[i, : len(ids) - 1] = target
+        if not bool((self.y != IGNORED).any()):
+            raise InputError(f"data.instructions {', '.join(paths)}: no record has a response token to learn.")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}

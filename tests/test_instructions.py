@@ -1,0 +1,136 @@
+"""Fine-tuning data (issue 15, item 4): prompt/response and chat records, the loss on response tokens only,
+averaged over the global batch's response tokens in every layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from local_tokenizer import END, train_tokenizer
+from parity import run_shared
+
+import tessera
+from tessera.data.instructions import IGNORED, InstructionData
+from tessera.data.text import ByteTokenizer
+from tessera.data.tokenizer import load_tokenizer
+from tessera.inputs import InputError
+
+SEQ, BATCH, STEPS = 32, 8, 2
+
+
+def _records(path: Path, n: int = 24) -> Path:
+    """Prompts and responses of lengths that differ widely: ranks and micro-batches count unlike numbers of
+    response tokens (and one record is longer than a sequence)."""
+    lines = [json.dumps({"prompt": f"Q{i}: " + "x" * (i % 7), "response": "ab" * (1 + (i * 5) % 9)}) for i in range(n)]
+    lines[3] = json.dumps({"prompt": "long " * 10, "response": "y" * 40})
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_prompt_and_response_records_count_the_response_and_its_end_only(tmp_path: Path) -> None:
+    data = InstructionData([str(_records(tmp_path / "a.jsonl"))], ByteTokenizer(), SEQ)
+    prompt, response = "Q1: x", "ab" * 6
+    ids = list((prompt + response).encode()) + [10]
+    assert data[1]["x"][: len(ids) - 1].tolist() == ids[:-1]
+    want = [IGNORED] * (len(prompt) - 1) + ids[len(prompt) :]
+    assert data[1]["y"][: len(ids) - 1].tolist() == want and (data[1]["y"][len(ids) - 1 :] == IGNORED).all()
+    assert data.truncated == 1 and len(data) == 24
+
+
+def test_chat_records_count_the_assistant_turns_only(tmp_path: Path) -> None:
+    tokenizer_json = train_tokenizer(tmp_path / "tok")
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + END + "{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(str(tokenizer_json))
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "bye"}]  # fmt: skip
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    item = InstructionData([str(tmp_path / "c.jsonl")], tok, 64)[0]
+    counted = item["y"][item["y"] != IGNORED].tolist()
+    assert tok.decode(counted) == "hello there" + END  # not the header, the system, user or later turns
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", r"c.jsonl:2: not a JSON object"),
+        ('{"prompt": "p"}', r"c.jsonl:2: a record needs string 'prompt' and 'response'"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', r"c.jsonl:2: unknown role 'robot'"),
+        ('{"messages": [{"role": "user", "content": "x"}]}', "needs a tokenizer with a chat template"),
+    ],
+    ids=["not-json", "no-response", "unknown-role", "no-template"],
+)
+def test_bad_records_are_named_by_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    (tmp_path / "c.jsonl").write_text('{"prompt": "p", "response": "r"}\n' + line + "\n")
+    with pytest.raises(InputError, match=message):
+        InstructionData([str(tmp_path / "c.jsonl")], ByteTokenizer(), SEQ)
+
+
+def test_bad_lines_can_be_skipped_and_counted(tmp_path: Path) -> None:
+    (tmp_path / "c.jsonl").write_text('{"prompt": "p", "response": "r"}\nnot json\n[1]\n')
+    assert InstructionData([str(tmp_path / "c.jsonl")], ByteTokenizer(), SEQ, on_bad_record="skip").skipped == 2
+
+
+def _model() -> torch.nn.Module:
+    from tessera.models import hf
+
+    torch.manual_seed(0)
+    return hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=256, seq_len=SEQ)
+
+
+def _tessera_sft(plan_dict: dict, path: str) -> dict:
+    from tessera.train.trainer import response_token_loss
+
+    data = InstructionData([path], ByteTokenizer(), SEQ)
+    booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
+    model = _model()
+    model, optimizer = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for step, batch in enumerate(booster.dataloader(data, global_batch_size=BATCH, seed=0)):
+        if step == STEPS:
+            break
+        loss = booster.execute_pipeline(batch, model, response_token_loss(booster, batch), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(booster.reduce_loss(loss)))
+    state = booster.full_state_dict(model)
+    return {"losses": losses, "params": state if torch.distributed.get_rank() == 0 else None}
+
+
+def test_fine_tuning_averages_over_the_global_batch_s_response_tokens_in_every_layout(tmp_path: Path) -> None:
+    """DDP, uneven shares 3:1, ZeRO-3, two micro-batches, tp2, pp2: the same losses and parameters after 2
+    AdamW steps as one process taking the mean over each global batch's response tokens (1e-5)."""
+    path = str(_records(tmp_path / "sft.jsonl"))
+    data = InstructionData([path], ByteTokenizer(), SEQ)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))  # the sharded loader's order
+    want = []
+    for step in range(STEPS):
+        idx = order[step * BATCH : (step + 1) * BATCH]
+        loss = F.cross_entropy(model(data.x[idx]).logits.flatten(0, 1), data.y[idx].flatten())  # token mean
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    plans = {
+        "ddp": tessera.DDP(),
+        "ddp shares 3:1": tessera.Plan(dp_shares=(3, 1)),
+        "zero3 2 micro-batches": tessera.Plan(zero=3, pipeline={"microbatches": 2}),
+        "tp2": tessera.Plan(tp=2),
+        "pp2": tessera.Plan(pp=2, pipeline={"microbatches": 2}),
+    }
+    got = run_shared(2, {name: (_tessera_sft, (plan.to_dict(), path)) for name, plan in plans.items()})
+    failures = []
+    for name, ranks in got.items():
+        try:
+            torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-5)
+            for key, value in model.state_dict().items():
+                torch.testing.assert_close(ranks[0]["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+        except AssertionError as exc:
+            failures.append(f"{name}: {str(exc).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
