@@ -83,7 +83,8 @@ def rank_load(path: str, layout: dict, way: str) -> dict:
     model, _ = booster.boost(model)
     seconds = time.perf_counter() - start
     peak = _peak_bytes()
-    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()) * 4
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    held = sum(t.numel() * t.element_size() for t in local)  # as loaded: fp32 in both ways
     return {"seconds": seconds, "peak_bytes": peak - before, "held_bytes": held}
 
 

@@ -29,7 +29,7 @@ def test_the_fine_tuning_example_runs_end_to_end_and_exports_a_hugging_face_mode
     original = hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=400, seq_len=64)
     original.save_pretrained(str(model_dir), max_shard_size="40KB")
     records = []
-    for i in range(40):
+    for i in range(200):
         a, b = i % 7, (i * 3) % 5
         if i % 2:
             records.append({"prompt": f"What is {a} plus {b}? ", "response": f"{a + b}."})

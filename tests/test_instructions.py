@@ -19,6 +19,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.inputs import InputError
 
 SEQ, BATCH, STEPS = 32, 8, 2
+PACKED = 96  # a packed sequence: room for several records
 
 
 def _records(path: Path, n: int = 24) -> Path:
@@ -82,10 +83,10 @@ def _model() -> torch.nn.Module:
     return hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=256, seq_len=SEQ)
 
 
-def _tessera_sft(plan_dict: dict, path: str) -> dict:
+def _tessera_sft(plan_dict: dict, path: str, pack: bool = False, seq: int = SEQ) -> dict:
     from tessera.train.trainer import response_token_loss
 
-    data = InstructionData([path], ByteTokenizer(), SEQ)
+    data = InstructionData([path], ByteTokenizer(), seq, pack=pack)
     booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
     model = _model()
     model, optimizer = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -134,3 +135,74 @@ def test_fine_tuning_averages_over_the_global_batch_s_response_tokens_in_every_l
         except AssertionError as exc:
             failures.append(f"{name}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+def test_packed_records_share_a_sequence_but_see_only_themselves(tmp_path: Path) -> None:
+    """Whole records, as many as fit, in order; each token's record and position within it; through a Hugging
+    Face model, each record's logits in a packed sequence equal its logits alone."""
+    from tessera.runtime.engine import packed_inputs
+
+    path = str(_records(tmp_path / "a.jsonl"))
+    alone = InstructionData([path], ByteTokenizer(), PACKED)
+    packed = InstructionData([path], ByteTokenizer(), PACKED, pack=True)
+    assert len(packed) < len(alone) / 2 and packed.truncated == alone.truncated == 0
+    assert (packed.y != IGNORED).sum() == (alone.y != IGNORED).sum()  # every response token, once
+    model = _model().eval()
+    item = packed[0]
+    records = int(item["documents"].max()) + 1
+    assert records >= 2 and item["position_ids"][item["documents"] == 1][0] == 0
+    with torch.no_grad():
+        logits = model(**packed_inputs(item["x"][None], {k: v[None] for k, v in item.items()})).logits[0]
+        for d in range(records):
+            where = item["documents"] == d
+            single = model(item["x"][where][None]).logits[0]
+            torch.testing.assert_close(logits[where], single, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_fine_tuning_matches_one_process_in_every_layout_that_takes_it(tmp_path: Path) -> None:
+    """DDP, shares 3:1, ZeRO-3 with two micro-batches and tp2 on packed records equal one process training the
+    same packed sequences with the records' mask (1e-5); pipeline stages refuse packed batches by name."""
+    from tessera.runtime.engine import packed_inputs
+
+    path = str(_records(tmp_path / "sft.jsonl", n=120))
+    data = InstructionData([path], ByteTokenizer(), PACKED, pack=True)
+    assert len(data) >= STEPS * BATCH
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+    want = []
+    for step in range(STEPS):
+        batch = {k: torch.stack([data[int(i)][k] for i in order[step * BATCH : (step + 1) * BATCH]]) for k in data[0]}
+        loss = F.cross_entropy(model(**packed_inputs(batch["x"], batch)).logits.flatten(0, 1), batch["y"].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    plans = {
+        "ddp": tessera.DDP(),
+        "ddp shares 3:1": tessera.Plan(dp_shares=(3, 1)),
+        "zero3 2 micro-batches": tessera.Plan(zero=3, pipeline={"microbatches": 2}),
+        "tp2": tessera.Plan(tp=2),
+    }
+    got = run_shared(2, {name: (_tessera_sft, (plan.to_dict(), path, True, PACKED)) for name, plan in plans.items()})
+    failures = []
+    for name, ranks in got.items():
+        try:
+            torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-5)
+            for key, value in model.state_dict().items():
+                torch.testing.assert_close(ranks[0]["params"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+        except AssertionError as exc:
+            failures.append(f"{name}: {str(exc).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+    import yaml
+    from test_checkpoint import tiny_config
+
+    from tessera.train.config import ConfigError
+    from tessera.train.preflight import check_training
+
+    config = tiny_config(tmp_path / "runs", 4, 4, {"preset": "ddp", "pp": 2, "microbatches": 2})
+    config["model"]["kind"] = "hf_llama"
+    config["data"] = {"instructions": [path], "pack": True, "seq_len": PACKED}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match="data.pack keeps records apart .* a pipeline stage"):
+        check_training(str(tmp_path / "c.yaml"), [], 2, 1, overwrite=True)

@@ -170,3 +170,13 @@ def test_a_pretrained_config_that_cannot_work_is_refused_before_anything_runs(sa
     assert parse_config(config(pretrained=str(saved))).model.kind == "hf_pretrained"
     with pytest.raises(ConfigError, match="vocabulary of 128 tokens, but the data's tokenizer .* up to 255"):
         build_from_config(parse_config(config(pretrained=str(saved))))  # the parity model: 128 ids, bytes need 256
+
+
+def test_bf16_weights_load_as_fp32_values(tmp_path: Path) -> None:
+    """Checkpoints ship in bf16; the model trains in fp32: each value is the bf16 one, converted on read."""
+    shipped = build_model("hf_llama").to(torch.bfloat16)
+    shipped.save_pretrained(str(tmp_path / "bf16"), max_shard_size="20KB")
+    model = _loaded(tmp_path / "bf16")
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32
+        assert torch.equal(param, shipped.get_parameter(name).float()), name

@@ -123,29 +123,52 @@ def tokenize_record(record: dict[str, Any], tokenizer: Any, chat: ChatTemplate |
 
 
 class InstructionData(Dataset):
-    """One record per sequence: ``x`` its tokens (padded), ``y`` the next tokens where the loss counts them,
-    else -100. ``truncated``: records longer than ``seq_len + 1`` tokens, cut."""
+    """Records as sequences of ``seq_len`` tokens: ``x`` the tokens (padded), ``y`` the next tokens where
+    the loss counts them, else -100. ``truncated``: records longer than ``seq_len + 1`` tokens, cut.
+
+    ``pack=False``: one record per sequence. ``pack=True``: whole records, in order, as many as fit in each
+    sequence, kept apart: items also carry ``documents`` (each token's record within the sequence; -1 for
+    padding) and ``position_ids`` (counted from 0 in each record), from which the runtime builds the
+    attention mask that stops a token attending to another record's
+    (:func:`tessera.runtime.engine.packed_inputs`)."""
 
     def __init__(
-        self, paths: list[str], tokenizer: Any, seq_len: int, on_bad_record: str = "stop", pad_id: int = 0
+        self,
+        paths: list[str],
+        tokenizer: Any,
+        seq_len: int,
+        on_bad_record: str = "stop",
+        pad_id: int = 0,
+        pack: bool = False,
     ) -> None:
         records, self.skipped = read_records(paths, on_bad_record)
         tokenizer_json = getattr(tokenizer, "path", None)
         needs_chat = any("messages" in r for r in records)
         chat = ChatTemplate(tokenizer_json) if needs_chat and tokenizer_json is not None else None
-        n = len(records)
-        self.x = torch.full((n, seq_len), pad_id, dtype=torch.long)
-        self.y = torch.full((n, seq_len), IGNORED, dtype=torch.long)
-        self.truncated = 0
-        for i, record in enumerate(records):
+        self.truncated, pieces = 0, []
+        for record in records:
             ids, counted = tokenize_record(record, tokenizer, chat)
             if len(ids) > seq_len + 1:
                 self.truncated += 1
                 ids, counted = ids[: seq_len + 1], counted[: seq_len + 1]
-            tokens = torch.tensor(ids)
-            self.x[i, : len(ids) - 1] = tokens[:-1]
-            target = torch.where(torch.tensor(counted[1:]), tokens[1:], IGNORED)
-            self.y[i, : len(ids) - 1] = target
+            pieces.append((ids, counted))
+        groups = _pack(pieces, seq_len) if pack else [[p] for p in pieces]
+        n = len(groups)
+        self.x = torch.full((n, seq_len), pad_id, dtype=torch.long)
+        self.y = torch.full((n, seq_len), IGNORED, dtype=torch.long)
+        self.documents = torch.full((n, seq_len), -1, dtype=torch.long) if pack else None
+        self.positions = torch.zeros((n, seq_len), dtype=torch.long) if pack else None
+        for i, group in enumerate(groups):
+            start = 0
+            for d, (ids, counted) in enumerate(group):
+                length = len(ids) - 1  # a record of k tokens gives k - 1 (input, target) pairs
+                tokens = torch.tensor(ids)
+                self.x[i, start : start + length] = tokens[:-1]
+                self.y[i, start : start + length] = torch.where(torch.tensor(counted[1:]), tokens[1:], IGNORED)
+                if pack:
+                    self.documents[i, start : start + length] = d
+                    self.positions[i, start : start + length] = torch.arange(length)
+                start += length
         if not bool((self.y != IGNORED).any()):
             raise InputError(f"data.instructions {', '.join(paths)}: no record has a response token to learn.")
 
@@ -153,4 +176,21 @@ class InstructionData(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "y": self.y[i]}
+        item = {"x": self.x[i], "y": self.y[i]}
+        if self.documents is not None and self.positions is not None:
+            item["documents"], item["position_ids"] = self.documents[i], self.positions[i]
+        return item
+
+
+def _pack(pieces: list[tuple[list[int], list[bool]]], seq_len: int) -> list[list[tuple[list[int], list[bool]]]]:
+    """Records in order, a new sequence whenever the next would not fit (a record of k tokens takes k - 1)."""
+    groups: list[list[tuple[list[int], list[bool]]]] = [[]]
+    used = 0
+    for piece in pieces:
+        length = len(piece[0]) - 1
+        if groups[-1] and used + length > seq_len:
+            groups.append([])
+            used = 0
+        groups[-1].append(piece)
+        used += length
+    return groups

@@ -6,6 +6,7 @@ Example:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -81,7 +82,7 @@ def from_config_file(path: str) -> nn.Module:
 
     try:
         config = AutoConfig.from_pretrained(path)
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # not the config's saved dtype
     except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' ways of refusing a config
         reason = " ".join(str(exc).split())[:300]
         raise InputError(

@@ -127,7 +127,9 @@ def empty_pretrained(path: str | Path) -> nn.Module:
         reason = " ".join(str(exc).split())[:300]
         raise InputError(f"model.pretrained '{path}' has no config transformers can read: {reason}") from None
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+        # fp32 parameters whatever dtype the weights were saved in (config.json records it, and transformers
+        # would build in it): the Plan's precision decides what computes in lower precision
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     aliases: dict[str, list[str]] = {}
     by_tensor: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

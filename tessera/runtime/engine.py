@@ -121,15 +121,30 @@ class Engine:
         return value
 
 
+def _chunks(inputs: Any, n: int) -> list[Any]:
+    """``inputs`` (a tensor, or a dict of keyword inputs) cut into ``n`` micro-batches along dim 0."""
+    if isinstance(inputs, dict):
+        return [dict(zip(inputs, parts)) for parts in zip(*(value.chunk(n) for value in inputs.values()))]
+    return list(inputs.chunk(n))
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def _rows(inputs: Any) -> int:
+    return next(iter(inputs.values())).shape[0] if isinstance(inputs, dict) else inputs.shape[0]
+
+
 def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
     """Micro-batches as gradient accumulation (no pipeline): synchronise on the last one only."""
     n = ctx.plan.pipeline.microbatches
-    check_microbatches(inputs.shape[0], n)
-    total = torch.zeros((), device=inputs.device)
-    for i, (x, y) in enumerate(zip(inputs.chunk(n), target.chunk(n))):
+    check_microbatches(_rows(inputs), n)
+    total = torch.zeros((), device=target.device)
+    for i, (x, y) in enumerate(zip(_chunks(inputs, n), target.chunk(n))):
         with data_parallel.no_sync(model) if i < n - 1 else contextlib.nullcontext():
             with ctx.loss_parallel():
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(_call(model, x), y)
             ctx.backward(loss / n)
         total += distributed.local(loss.detach()).float()
     return total / n
@@ -139,25 +154,37 @@ def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module
 def forward_only(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
     """Micro-batches forward (no pipeline): the mean loss, nothing kept for a backward."""
     n = ctx.plan.pipeline.microbatches
-    check_microbatches(inputs.shape[0], n)
-    total = torch.zeros((), device=inputs.device)
-    for x, y in zip(inputs.chunk(n), target.chunk(n)):
+    check_microbatches(_rows(inputs), n)
+    total = torch.zeros((), device=target.device)
+    for x, y in zip(_chunks(inputs, n), target.chunk(n)):
         with ctx.loss_parallel():
-            total += distributed.local(loss_fn(model(x), y)).float()
+            total += distributed.local(loss_fn(_call(model, x), y)).float()
     return total / n
 
 
-def inputs_and_target(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels."""
+def inputs_and_target(batch: Any) -> tuple[Any, torch.Tensor]:
+    """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels. A dict that also
+    has ``documents`` (packed records) gives keyword inputs (:func:`packed_inputs`)."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     if isinstance(batch, dict):
         x = next((batch[k] for k in ("x", "input_ids") if k in batch), None)
         y = next((batch[k] for k in ("y", "labels") if k in batch), None)
         if x is not None and y is not None:
-            return x, y
+            return (packed_inputs(x, batch) if "documents" in batch else x), y
     keys = f" (keys: {', '.join(map(str, batch))})" if isinstance(batch, dict) else ""
     raise PlanError(
         f"execute_pipeline needs batches of (inputs, target) or dicts with 'x'/'input_ids' and 'y'/'labels', "
         f"got {type(batch).__name__}{keys}."
     )
+
+
+def packed_inputs(tokens: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keyword inputs of a Hugging Face model for a batch of packed records: the tokens, each record's
+    positions (``position_ids``), and a (batch, 1, seq, seq) mask letting a token attend to the earlier tokens
+    of its own record only (``documents``: each token's record in its sequence)."""
+    documents = batch["documents"]
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]
+    return {"input_ids": tokens, "position_ids": batch["position_ids"], "attention_mask": (same & causal)[:, None]}

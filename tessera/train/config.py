@@ -133,6 +133,9 @@ class DataConfig(_Section):
         default_factory=list,
         description="jsonl files of prompt/response or messages records: fine-tune on the responses only",
     )
+    pack: bool = Field(
+        False, description="instructions: as many whole records per sequence as fit, kept apart by the attention mask"
+    )
     validation: float = Field(
         0.0, ge=0, lt=0.5, description="the share of the data's sequences held out for eval (the last ones)"
     )
@@ -145,6 +148,8 @@ class DataConfig(_Section):
                 f"data.tokenizer={shown(self.tokenizer)} does not exist: give a tokenizer.json, the directory "
                 "holding it, or bytes"
             )
+        if self.pack and not self.instructions:
+            raise ValueError("data.pack packs data.instructions records: set data.instructions, or data.pack: false")
         if self.instructions and (self.paths or self.prepared):
             raise ValueError("data.instructions is the training data: leave data.paths and data.prepared unset")
         if self.prepared is not None:

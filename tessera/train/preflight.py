@@ -92,6 +92,7 @@ def check_training(
     """Validate a ``tessera train`` invocation; return its config. Raises a ValueError naming the fix.
     ``group``: the launch is that group of fault-tolerant Plan.groups alone."""
     from tessera.data.text import check_corpus_size, resolve_paths
+    from tessera.train.trainer import split_validation
 
     cfg = load_config(config, overrides)
     world = nproc * nnodes
@@ -105,12 +106,20 @@ def check_training(
 
         if plan.groups is not None:
             raise ConfigError("data.instructions with plan.groups is not supported yet: fine-tune without groups.")
+        if cfg.data.pack and (plan.pipelined or plan.sp > 1 or not cfg.model.kind.startswith("hf_")):
+            raise ConfigError(
+                "data.pack keeps records apart with an attention mask and per-record positions, which a Hugging "
+                "Face model takes and a pipeline stage or a sequence slice cannot yet: use an hf_ model.kind or "
+                "model.pretrained, without plan.pp or plan.sp (or data.pack: false)."
+            )
         paths = resolve_paths(cfg.data.instructions)
-        InstructionData(paths, tokenizer_for(cfg), cfg.data.seq_len, cfg.data.on_bad_record)
+        data = InstructionData(paths, tokenizer_for(cfg), cfg.data.seq_len, cfg.data.on_bad_record, pack=cfg.data.pack)
+        split_validation(data, cfg.data.validation, cfg.train.global_batch_size)
     elif cfg.data.prepared:
         from tessera.data.shards import TokenShards
 
-        TokenShards(cfg.data.prepared, cfg.data.seq_len)  # its index and shard sizes; nothing is read
+        shards = TokenShards(cfg.data.prepared, cfg.data.seq_len)  # its index and shard sizes; nothing is read
+        split_validation(shards, cfg.data.validation, cfg.train.global_batch_size)
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     check_memory(cfg, plan, nproc)

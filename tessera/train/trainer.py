@@ -170,7 +170,11 @@ class Trainer:
         self.fine_tuning = bool(cfg.data.instructions)  # the loss on response tokens only
         if self.fine_tuning:
             dataset = InstructionData(
-                resolve_paths(cfg.data.instructions), self.tokenizer, cfg.data.seq_len, cfg.data.on_bad_record
+                resolve_paths(cfg.data.instructions),
+                self.tokenizer,
+                cfg.data.seq_len,
+                cfg.data.on_bad_record,
+                pack=cfg.data.pack,
             )
         elif cfg.data.prepared:
             dataset = TokenShards(cfg.data.prepared, cfg.data.seq_len)
