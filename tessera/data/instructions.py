@@ -2,10 +2,10 @@
 
 Each jsonl record is ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role": ..., "content":
 ...}, ...]}`` (roles system, user, assistant), the latter rendered with the tokenizer's chat template
-(``chat_template`` in the ``tokenizer_config.json`` beside its ``tokenizer.json``). A record becomes one
-sequence of ``seq_len + 1`` tokens: the prompt's (or non-assistant turns') targets are ``-100``, which the
-loss ignores, as is the padding after the record; a record longer than the sequence is cut (counted).
-One record per sequence keeps records apart: no token attends to another record's.
+(``chat_template`` in the ``tokenizer_config.json`` beside its ``tokenizer.json``). The prompt's (or
+non-assistant turns') targets are ``-100``, which the loss ignores, as is the padding; a record longer
+than a sequence is cut (counted). A record per sequence, or with ``pack`` as many whole records as fit,
+kept apart by per-record positions and an attention mask: no token attends to another record's.
 
 The loss over a global batch is the mean over its response tokens, whatever the layout:
 :meth:`tessera.Booster.token_mean_scale` makes each rank's summed loss count its tokens against the
