@@ -279,7 +279,7 @@ class Booster:
 
     def _inputs_and_target(self, batch: Any) -> tuple[Any, torch.Tensor]:
         inputs, target = inputs_and_target(batch)
-        if isinstance(inputs, dict) and (self.plan.pipelined or self.plan.ulysses_size > 1 or self.plan.sp > 1):
+        if isinstance(inputs, dict) and (self.plan.pipelined or self.plan.sp > 1):
             raise NotSupportedYet(
                 "packed records (a batch with 'documents') with pipeline stages or sequence parallelism are not "
                 "supported yet: a stage takes one tensor, and a sequence slice would cut the records' mask; use "

@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 from parity import check_cases, run_shared
+from test_data_parallel_parity import PRESETS
 
 import tessera
 from tessera.errors import PlanError
 
-PLANS = {"ddp": tessera.DDP(), "zero1": tessera.ZeRO(stage=1), "zero2": tessera.ZeRO(stage=2),
-         "zero3": tessera.ZeRO(stage=3)}  # fmt: skip
+PLANS = {name: PRESETS[name] for name in ("ddp", "zero1", "zero2", "zero3")}
 
 
 def test_lora_trains_like_peft_on_one_process_under_ddp_and_zero() -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from parity import PRETRAINED, build_model, check_cases
 from safetensors.torch import load_file, save_file
+from test_data_parallel_parity import PRESETS
 
 import tessera
 from tessera.inputs import InputError
@@ -58,11 +59,7 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
     and replicas of depth 1 and 3."""
     kind = f"{PRETRAINED}{saved}"
     plans = {
-        "ddp": tessera.DDP(),
-        "zero1": tessera.ZeRO(stage=1),
-        "zero2": tessera.ZeRO(stage=2),
-        "zero3": tessera.ZeRO(stage=3),
-        "zero3 offload": tessera.ZeRO(stage=3, offload=True),
+        **PRESETS,  # DDP, ZeRO-1/2/3, ZeRO-3 offloaded
         "dp2 x tp2 zero3": tessera.Plan(tp=2, zero=3),
         "dp2 x pp2": tessera.Plan(pp=2, pipeline={"microbatches": 2}),
         "dp2 x sp2": tessera.Plan(sp=2),
