@@ -14,6 +14,9 @@ Layout of one checkpoint directory::
         rng_rank{r}.pt             each rank's RNG states (restored when the world size matches)
         meta.json                  step, world size, run id, plan — written last: marks the checkpoint complete
 
+A checkpoint may leave the frozen parameters out (``frozen=False``: LoRA's base, read again from its
+pretrained files on resume): meta.json's ``frozen`` is then false and loading fills the others only.
+
 Under ``Plan.groups`` with an outer sync (diloco, streaming, none) each group's weights differ between
 syncs, so each group writes its own DCP folder, ``group_<g>/``, holding also its outer state
 (``"outer"``: agreed weights, outer momentum, error feedback, a transfer in flight; see
@@ -42,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -108,18 +112,26 @@ def _outer(optimizer: Any) -> Any:
     return getattr(optimizer, "outer", None)
 
 
-def _state_dicts(model: nn.Module, optimizer: Any, outer_keys: set[str] | None = None) -> dict[str, Any]:
+def _state_dicts(
+    model: nn.Module, optimizer: Any, outer_keys: set[str] | None = None, frozen: bool = True
+) -> dict[str, Any]:
     """What a checkpoint holds for this rank; ``outer_keys``: the outer state's entries a checkpoint holds,
-    to load into (None: this rank's outer state as it is, to save)."""
+    to load into (None: this rank's outer state as it is, to save); ``frozen``: with the frozen parameters."""
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):
         optim = inner.full_state_dict(_param_names(model))
     else:
         optim = get_optimizer_state_dict(model, inner)
-    state = {"model": get_model_state_dict(model), "optim": optim}
+    state = {"model": get_model_state_dict(model, options=_model_options(frozen)), "optim": optim}
     if (outer := _outer(optimizer)) is not None:
         state["outer"] = outer.state_dict() if outer_keys is None else outer.state_template(outer_keys)
     return state
+
+
+def _model_options(frozen: bool) -> StateDictOptions:
+    """With or without the frozen parameters; without them a load fills the others (checked first to be
+    all there: :func:`_check_same_model`) and leaves the frozen ones as the model has them."""
+    return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
 
 
 def _dcp_folder(path: Path, optimizer: Any) -> tuple[Path, dist.ProcessGroup | None]:
@@ -179,9 +191,11 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
     meta: dict[str, Any],
+    frozen: bool = True,
 ) -> Path:
     """Write a checkpoint of ``step`` under ``root`` on every rank; keep the newest ``keep`` of this run
-    (``meta["run_id"]``); another run's checkpoints are never touched.
+    (``meta["run_id"]``); another run's checkpoints are never touched. ``frozen=False``: leave the frozen
+    parameters out (LoRA's base, when the caller can read it again).
 
     A full disk removes the partial checkpoint and raises :class:`~tessera.errors.RuntimeFault`:
     the previous checkpoint stays intact.
@@ -196,14 +210,15 @@ def save_checkpoint(
         dist.barrier()
         folder, members = _dcp_folder(tmp, optimizer)
         folder.mkdir(exist_ok=True)
-        dcp.save(_to_storable(_state_dicts(model, optimizer)), checkpoint_id=str(folder), process_group=members)
+        state = _to_storable(_state_dicts(model, optimizer, frozen=frozen))
+        dcp.save(state, checkpoint_id=str(folder), process_group=members)
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         faults.during_save(step)
         dist.barrier()
         if rank == 0:
             torch.save(trainer_state, tmp / "trainer.pt")
             groups = outer.spec.count if (outer := _outer(optimizer)) is not None else None
-            record = {"step": step, "world_size": dist.get_world_size(), "groups": groups, **meta}
+            record = {"step": step, "world_size": dist.get_world_size(), "groups": groups, "frozen": frozen, **meta}
             if outer is not None:  # which group folders this one holds: each job's own under fault tolerance
                 record["holds"] = list(range(groups)) if isinstance(outer.across, MeshAcross) else [outer.index]
             (tmp / "meta.json").write_text(json.dumps(record))
@@ -324,7 +339,10 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         folder = path
     metadata = _read_metadata(folder)
     outer_keys = {k.removeprefix("outer.") for k in metadata.state_dict_metadata if k.startswith("outer.")}
-    layout = _state_dicts(model, optimizer, outer_keys)
+    frozen = meta.get("frozen", True)
+    if not isinstance(frozen, bool):
+        raise CheckpointError(f"'{path / 'meta.json'}' is corrupted: frozen={frozen!r} is not true or false.")
+    layout = _state_dicts(model, optimizer, outer_keys, frozen)
     if warm_start:
         del layout["outer"]
     _check_same_model(folder, metadata, layout["model"])
@@ -343,7 +361,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         ) from None
     state = _from_storable(state, layout)
     _own_param_names(state["optim"], layout["optim"])
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_model_options(frozen))
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):
         inner.load_full_state_dict(state["optim"], _param_names(model))

@@ -8,6 +8,7 @@ Runs in one plain process (no process group), whatever layout wrote the checkpoi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -123,6 +124,27 @@ def copy_tokenizer(source: Path, out_dir: Path) -> None:
             shutil.copy2(source / name, out_dir / name)
 
 
+def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
+    """The model of a checkpoint that holds LoRA adapters alone: the base read from ``model.pretrained``
+    (checked to be the one they were trained on), the adapters from the checkpoint."""
+    from tessera.models.pretrained import load_into, materialize, source_of
+    from tessera.train.build import build_model, check_base_of
+
+    check_base_of(checkpoint_root(path), cfg)
+    model = build_model(cfg)  # the base on meta, then read from its files
+    materialize(model, torch.device("cpu"))
+    load_into(model, source_of(model))
+    adapters = load_full_model_state(path)
+    missing, unexpected = model.load_state_dict(adapters, strict=False)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if unexpected or set(missing) - frozen:
+        raise CheckpointError(
+            f"checkpoint '{path}' does not hold this config's adapters: {len(set(missing) - frozen)} missing, "
+            f"{len(unexpected)} unexpected (e.g. {sorted(set(missing) - frozen or set(unexpected))[:3]})."
+        )
+    return model
+
+
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
     from tessera.models.lora import merged
@@ -138,8 +160,11 @@ def export_hf(path: str | Path, out_dir: str | Path) -> Path:
             f"--hf-dir needs a Hugging Face model, but this checkpoint holds model.kind='{cfg.model.kind}': "
             "export it with --out model.safetensors instead."
         )
-    model = build_model(cfg, weights=False)  # the checkpoint's weights go into it
-    model.load_state_dict(load_full_model_state(path), strict=True)
+    if meta.get("frozen", True) is True:
+        model = build_model(cfg, weights=False)  # the checkpoint's weights go into it
+        model.load_state_dict(load_full_model_state(path), strict=True)
+    else:
+        model = _adapters_on_their_base(path, cfg)
     merged(model).save_pretrained(str(out_dir))  # LoRA adapters folded into a full model
     if cfg.model.pretrained is not None:  # a complete Hugging Face directory: the tokenizer beside the weights
         copy_tokenizer(Path(cfg.model.pretrained), Path(out_dir))

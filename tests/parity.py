@@ -73,13 +73,13 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         return hf.gpt2(n_layer=n_layers, n_embd=32, n_head=4, vocab_size=VOCAB, seq_len=SEQ)
     if kind == "hf_llama":
         return hf.llama(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
-    if kind == "lora":  # the Hugging Face Llama with peft's LoRA adapters on attention's q and v
+    if kind == "lora":  # the Hugging Face Llama with peft's LoRA adapters on column- and row-parallel projections
         from peft import LoraConfig, get_peft_model
 
         base = hf.llama(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
-        lora = LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights="gaussian"
-        )  # fmt: skip  (B random too: the adapters change the loss)
+        targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights="gaussian")
+        # (init "gaussian": B random too, so the adapters change the loss from the first step)
         return get_peft_model(base, lora)
     if kind == "hf_qwen2":
         return hf.qwen2(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)

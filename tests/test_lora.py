@@ -4,6 +4,7 @@ like peft on one process; the base weights get no gradients and no optimizer sta
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +17,24 @@ from test_data_parallel_parity import PRESETS
 
 import tessera
 from tessera.errors import PlanError
+from tessera.inputs import InputError
 
 PLANS = {name: PRESETS[name] for name in ("ddp", "zero1", "zero2", "zero3")}
+SPLIT_PLANS = {  # the adapted projections split as their base layers are (tessera.models.policies.through_peft)
+    "tp2": tessera.Plan(tp=2),
+    "tp2 split-gather sp": tessera.Plan(tp=2, sp=2, sp_mode="split_gather"),
+    "pp2": tessera.Plan(pp=2, pipeline={"microbatches": 2}),
+    "Ulysses sp2": tessera.Plan(sp=2),
+}
 
 
-def test_lora_trains_like_peft_on_one_process_under_ddp_and_zero() -> None:
-    """Losses, norms, the adapters' first gradients (the frozen weights have none: checked on every rank),
-    all parameters after 3 AdamW steps and the forward-only loss: 1e-5."""
-    check_cases(2, [(name, plan.to_dict(), "lora", None) for name, plan in PLANS.items()], 8, 3)
+def test_lora_trains_like_peft_on_one_process_in_every_layout() -> None:
+    """DDP, ZeRO-1/2/3, tp2 (adapters on column- and row-parallel projections), tp2 with split/gather sequence
+    parallelism, pp2, Ulysses sp2: losses, norms, the adapters' first gradients (the frozen weights have none:
+    checked on every rank), all parameters after 3 AdamW steps and the forward-only loss: 1e-5. dp × tp, dp ×
+    pp and tp × pp on 4 ranks: test_pretrained."""
+    plans = {**PLANS, **SPLIT_PLANS}
+    check_cases(2, [(name, plan.to_dict(), "lora", None) for name, plan in plans.items()], 8, 3)
 
 
 def _optimizer_state(plan_dict: dict) -> dict:
@@ -45,33 +56,50 @@ def _optimizer_state(plan_dict: dict) -> dict:
     }
 
 
-def test_only_the_adapters_are_optimised_and_tensor_or_pipeline_parallelism_is_refused() -> None:
+def test_only_the_adapters_are_optimised() -> None:
     got = run_shared(2, {name: (_optimizer_state, (plan.to_dict(),)) for name, plan in PLANS.items()})
     for name, ranks in got.items():
-        assert all(r["stepped"] == r["trainable"] == 8 and r["frozen"] > 8 for r in ranks), (name, ranks)
-    from parity import build_model
-
-    with pytest.raises(PlanError, match="tensor parallelism with LoRA adapters .* is not supported yet"):
-        from tessera.models.policies import policy_for
-
-        policy_for(build_model("lora"), "tensor parallelism")
+        assert all(r["stepped"] == r["trainable"] == 16 and r["frozen"] > 16 for r in ranks), (name, ranks)
 
 
-def test_pretrained_lora_trains_the_adapters_alone_and_exports_them_merged(tmp_path: Path) -> None:
-    """`tessera train` with `model.pretrained` and `model.lora` under ZeRO-3 on 2 ranks: the export is a full
-    Hugging Face model whose weights outside q_proj and v_proj are the pretrained ones, bit for bit, and
-    whose q_proj and v_proj are the pretrained ones plus the trained adapters (alpha/r · B·A)."""
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        ({"lora_dropout": 0.1}, "LoRA dropout would drop different features on each tp rank"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "LoRA on lm_head with tensor parallelism .* is not supported"),
+        ({"use_dora": True}, "variants \\(DoRA and others\\) are not supported"),
+    ],
+)
+def test_what_tensor_parallel_adapters_cannot_do_is_refused_by_name(lora: dict, message: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from tessera.models import hf
+    from tessera.models.policies import policy_for
+
+    model = get_peft_model(hf.llama(n_layer=1, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=128, seq_len=16),
+                           LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **lora}))  # fmt: skip
+    with pytest.raises(PlanError, match=message):
+        policy_for(model).tensor_plan(model)
+
+
+def test_pretrained_lora_checkpoints_the_adapters_alone_resumes_them_and_exports_them_merged(tmp_path: Path) -> None:
+    """`tessera train` with `model.pretrained` and `model.lora` under ZeRO-3 on 2 ranks, 4 steps, checkpoints at 2
+    and 4: they hold the adapters alone (no base weight). Resumed from step 2 under tp2, the run ends at the
+    same adapters (1e-5). The export is a full Hugging Face model whose weights outside q_proj and v_proj are
+    the pretrained ones, bit for bit, and whose q_proj and v_proj are the pretrained ones plus the trained
+    adapters (alpha/r · B·A). A base with other values is refused before launch."""
     from safetensors.torch import load_file
     from test_checkpoint import tiny_config
     from transformers import AutoModelForCausalLM
 
     from tessera.export import load_full_model_state
     from tessera.models import hf
+    from tessera.train.preflight import check_training
 
     torch.manual_seed(0)
     original = hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=260, seq_len=32)
     original.save_pretrained(str(tmp_path / "source"), max_shard_size="40KB")
-    config = tiny_config(tmp_path / "runs", 4, 4, {"preset": "zero", "zero": 3})
+    config = tiny_config(tmp_path / "runs", 4, 2, {"preset": "zero", "zero": 3})
     config["model"] = {"pretrained": str(tmp_path / "source"), "lora": {"r": 4, "alpha": 8}}
     config["data"]["tokenizer"] = "bytes"
     config["optimizer"] = {"name": "adamw", "lr": 1e-2}
@@ -82,9 +110,20 @@ def test_pretrained_lora_trains_the_adapters_alone_and_exports_them_merged(tmp_p
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     cli("train", str(tmp_path / "c.yaml"), "--nproc", "2")
-    step = tmp_path / "runs" / "t" / "checkpoints" / "step_00000004"
-    cli("export", str(step), "--hf-dir", str(tmp_path / "out"))
+    checkpoints = tmp_path / "runs" / "t" / "checkpoints"
+    step = checkpoints / "step_00000004"
+    straight = load_full_model_state(step)
+    assert len(straight) == 8 and all(".lora_" in name for name in straight), sorted(straight)  # q, v: A, B
+    shutil.rmtree(step)  # resume from step 2, under tensor parallelism
+    config["plan"] = {"tp": 2}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    cli("train", str(tmp_path / "c.yaml"), "--nproc", "2")
     state = load_full_model_state(step)
+    assert state.keys() == straight.keys()
+    for name, value in straight.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+    cli("export", str(step), "--hf-dir", str(tmp_path / "out"))
     exported = {}
     for file in (tmp_path / "out").glob("*.safetensors"):
         exported.update(load_file(str(file)))
@@ -101,6 +140,13 @@ def test_pretrained_lora_trains_the_adapters_alone_and_exports_them_merged(tmp_p
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     x = torch.randint(0, 260, (2, 16))
     assert not torch.equal(merged(x).logits, original(x).logits)
+
+    torch.manual_seed(1)  # same shapes, other values: not the base the adapters were trained on
+    hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=260, seq_len=32).save_pretrained(
+        str(tmp_path / "source"), max_shard_size="40KB"
+    )
+    with pytest.raises(InputError, match="holds LoRA adapters trained on the weights in .* holds other weights"):
+        check_training(str(tmp_path / "c.yaml"), [], 2, 1, False)
 
 
 def test_adapters_on_a_meta_base_get_peft_s_initialisation_and_keep_it_through_materialize(tmp_path: Path) -> None:

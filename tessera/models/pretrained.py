@@ -114,6 +114,41 @@ def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def fingerprint(path: str | Path) -> str:
+    """A digest of a pretrained directory's weight files, read in milliseconds: names, sizes, headers (each
+    tensor's name, dtype, shape and place) and a sample of the values (each file's first and last MiB). A
+    checkpoint holding LoRA adapters alone records it, so a resume or an export refuses another base (other
+    files, shapes, dtypes or values; a change confined to the middle of a large file goes unseen)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    sample = 1 << 20
+    for file in weight_files(path):
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f"{file.name}:{size}:".encode() + f.read(min(header, 100 << 20)) + f.read(sample))
+            f.seek(max(size - sample, 0))
+            digest.update(f.read(sample))
+    return digest.hexdigest()[:16]
+
+
+def check_same_base(recorded: dict, pretrained: str | None, checkpoint: Path) -> None:
+    """Refuse to complete a checkpoint that holds LoRA adapters alone (``recorded``: its meta.json's
+    ``base``) with a base other than the one it was trained on."""
+    was = recorded.get("pretrained")
+    if pretrained is None:
+        raise InputError(
+            f"checkpoint '{checkpoint}' holds LoRA adapters without their base, which was read from '{was}': set "
+            f"model.pretrained: {was}."
+        )
+    if fingerprint(pretrained) != recorded.get("fingerprint"):
+        raise InputError(
+            f"checkpoint '{checkpoint}' holds LoRA adapters trained on the weights in '{was}', and model.pretrained "
+            f"'{pretrained}' holds other weights (files, shapes or dtypes differ): use the base it was trained on."
+        )
+
+
 def empty_pretrained(path: str | Path) -> nn.Module:
     """``AutoModelForCausalLM`` from ``path``'s config.json with its parameters on meta, checked against
     the weights the directory holds; the runtime loads them once the model is laid out."""

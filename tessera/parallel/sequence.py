@@ -122,6 +122,12 @@ def enable_hf_ulysses(
     model.set_attn_implementation(HF_ATTENTION)
     for module in attention_modules:
         module.sp_group = group
+    offset_positions(model, group)
+
+
+def offset_positions(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Give ``model``'s forward this rank's positions (its sequence slice starts at rank × slice length)
+    unless the caller passes ``position_ids`` itself."""
 
     def positions(_: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("position_ids") is None:

@@ -28,6 +28,28 @@ def build_model(cfg: Config, weights: bool = True) -> nn.Module:
     return with_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
 
 
+def base_record(cfg: Config) -> dict[str, str]:
+    """What a checkpoint holding LoRA adapters alone records of their base (``cfg.model.pretrained``)."""
+    from tessera.models.pretrained import fingerprint
+
+    assert cfg.model.pretrained is not None, "the config refuses checkpoint.base: false without model.pretrained"
+    return {"pretrained": cfg.model.pretrained, "fingerprint": fingerprint(cfg.model.pretrained)}
+
+
+def check_base_of(checkpoint: Path, cfg: Config) -> None:
+    """Refuse a checkpoint holding LoRA adapters alone unless ``cfg`` reads the base they were trained on."""
+    from tessera.checkpoint_readers import CheckpointError, read_meta
+    from tessera.models.pretrained import check_same_base
+
+    meta = read_meta(checkpoint)
+    if meta.get("frozen", True) is True:
+        return
+    recorded = meta.get("base")
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"'{checkpoint / 'meta.json'}' is corrupted: it leaves the base out and names none.")
+    check_same_base(recorded, cfg.model.pretrained, checkpoint)
+
+
 def base_model(cfg: Config, weights: bool = True) -> nn.Module:
     """The model ``cfg.model`` describes, with the tokenizer's vocabulary and ``data.seq_len`` positions (a
     model from a config or pretrained: its own, checked to hold every id the tokenizer gives; pretrained

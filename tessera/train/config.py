@@ -253,9 +253,14 @@ class TrainConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """``base``: with LoRA adapters (``model.lora``), whether checkpoints hold the frozen base weights too.
+    By default they do unless the base is read from ``model.pretrained`` (then the adapters and their
+    optimizer state alone are saved, and a resume or an export reads the base from that directory again)."""
+
     every: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
     keep: int = Field(2, gt=0, le=1 << 20)
     resume: Literal["auto", "never"] = "auto"
+    base: bool | None = None
 
 
 class EvalConfig(_Section):
@@ -283,6 +288,23 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _base_left_out_only_when_read_again(self) -> Config:
+        if self.checkpoint.base is False and (self.model.lora is None or self.model.pretrained is None):
+            raise ValueError(
+                "checkpoint.base: false leaves the frozen base weights out of checkpoints, which needs LoRA "
+                "adapters (model.lora) on a base read from model.pretrained (so a resume can read it again): "
+                "set both, or drop checkpoint.base"
+            )
+        return self
+
+    @property
+    def checkpoint_holds_base(self) -> bool:
+        """Whether checkpoints hold the frozen base weights (``checkpoint.base``, resolved)."""
+        if self.checkpoint.base is not None:
+            return self.checkpoint.base
+        return self.model.lora is None or self.model.pretrained is None
 
     @model_validator(mode="after")
     def _held_out_for_eval(self) -> Config:

@@ -136,4 +136,10 @@ def check_training(
 
     if cfg.checkpoint.resume == "never" and not overwrite and RUN_ID_ENV not in os.environ:
         refuse_if_taken(cfg.run_dir)
+    elif cfg.checkpoint.resume == "auto" and not overwrite:
+        from tessera.checkpoint import latest_checkpoint
+        from tessera.train.build import check_base_of
+
+        if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
+            check_base_of(latest, cfg)  # LoRA adapters alone: the base they were trained on
     return cfg

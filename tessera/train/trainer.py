@@ -29,7 +29,7 @@ from tessera.memory import release_free_heap
 from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.testbed.seat import current_seat, verify_seat
 from tessera.train import rundir
-from tessera.train.build import build_model, build_optimizer, tokenizer_for
+from tessera.train.build import base_record, build_model, build_optimizer, check_base_of, tokenizer_for
 from tessera.train.config import Config, ConfigError, plan_from_config
 from tessera.train.failures import CollectiveTimeout
 from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
@@ -209,6 +209,7 @@ class Trainer:
         path = path or latest_checkpoint(self.ckpt_root, self.owner.run_id)
         if path is None:
             return None
+        check_base_of(path, self.cfg)
         state = load_checkpoint(path, self.model, self.optimizer)
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.schedule.load_state_dict(state["scheduler"])
@@ -252,10 +253,14 @@ class Trainer:
             "plan": self.booster.plan.to_dict(),
             "config": self.cfg.model_dump(mode="json"),
         }
+        holds_base = self.cfg.checkpoint_holds_base
+        if not holds_base:  # LoRA adapters alone: the base is read again from these files
+            meta["base"] = base_record(self.cfg)
         self.saving = True
         save_checkpoint(
-            self.ckpt_root, self.step, self.model, self.optimizer, trainer_state, self.cfg.checkpoint.keep, meta
-        )
+            self.ckpt_root, self.step, self.model, self.optimizer, trainer_state, self.cfg.checkpoint.keep, meta,
+            frozen=holds_base,
+        )  # fmt: skip
         self.saving = False
 
     def run(self) -> dict[str, Any]:

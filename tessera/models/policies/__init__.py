@@ -14,13 +14,19 @@ from tessera.errors import PlanError
 from tessera.models.policies.gpt2 import GPT2
 from tessera.models.policies.hf_llama import HF_LLAMA
 from tessera.models.policies.llama import LLAMA
+from tessera.models.policies.through_peft import peft_base, through_peft
 from tessera.parallel.policy import Policy
 
 POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA, GPT2)
 
 
 def find_policy(model: nn.Module) -> Policy | None:
-    """The policy for ``model``'s family, or None (data parallelism and ZeRO need none)."""
+    """The policy for ``model``'s family, or None (data parallelism and ZeRO need none). A peft model
+    (LoRA adapters) gets its base model's policy, seen through peft's wrapping."""
+    base = peft_base(model)
+    if base is not None:
+        policy = find_policy(base)
+        return None if policy is None else through_peft(policy)
     return next((policy for policy in POLICIES if policy.matches(model)), None)
 
 
@@ -37,13 +43,10 @@ def policy_for(model: nn.Module, feature: str = "tensor parallelism") -> Policy:
 def missing_policy(model: nn.Module, feature: str) -> PlanError:
     """The error for a ``feature`` that needs a policy ``model``'s family does not have."""
     names = ", ".join(p.name for p in POLICIES)
-    if type(model).__name__.startswith("Peft"):
-        return PlanError(
-            f"{feature} with LoRA adapters (a peft model) is not supported yet: train the adapters with data "
-            f"parallelism or ZeRO (Plan.{_field(feature)}=1)."
-        )
+    base = peft_base(model)
+    family = type(model if base is None else base).__name__ + ("" if base is None else " (under LoRA adapters)")
     return PlanError(
-        f"{feature} has no policy for {type(model).__name__}: policies exist for {names}. "
+        f"{feature} has no policy for {family}: policies exist for {names}. "
         f"Use Plan.{_field(feature)}=1 (data parallelism and ZeRO work for any model)."
     )
 
