@@ -279,11 +279,10 @@ class Booster:
 
     def _inputs_and_target(self, batch: Any) -> tuple[Any, torch.Tensor]:
         inputs, target = inputs_and_target(batch)
-        if isinstance(inputs, dict) and (self.plan.pipelined or self.plan.sp > 1):
+        if isinstance(inputs, dict) and self.plan.pipelined:
             raise NotSupportedYet(
-                "packed records (a batch with 'documents') with pipeline stages or sequence parallelism are not "
-                "supported yet: a stage takes one tensor, and a sequence slice would cut the records' mask; use "
-                "data.pack: false there."
+                "packed records (a batch with 'documents') with pipeline stages are not supported yet: a stage "
+                "takes one tensor; use data.pack: false there, or no plan.pp."
             )
         return inputs, target
 

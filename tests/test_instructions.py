@@ -55,6 +55,23 @@ def test_chat_records_count_the_assistant_turns_only(tmp_path: Path) -> None:
     assert tok.decode(counted) == "hello there" + END  # not the header, the system, user or later turns
 
 
+def test_chat_records_are_tokenized_whole_as_the_model_will_read_them(tmp_path: Path) -> None:
+    """A header ending in a space: byte-level BPE merges it with the reply's first word (" self"), which
+    tokenizing turn by turn would not; the merged token carries the reply, so the loss counts it."""
+    tokenizer_json = train_tokenizer(tmp_path / "tok")
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}" + END + "{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(str(tokenizer_json))
+    assert tok.encode("assistant: ") + tok.encode("self.x") != tok.encode("assistant: self.x")  # a merge across
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "self.x"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    item = InstructionData([str(tmp_path / "c.jsonl")], tok, 64)[0]
+    whole = tok.encode("user: hi" + END + "assistant: self.x" + END)
+    assert item["x"][: len(whole) - 1].tolist() == whole[:-1]
+    assert tok.decode(item["y"][item["y"] != IGNORED].tolist()) == " self.x" + END
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
@@ -71,9 +88,11 @@ def test_bad_records_are_named_by_file_and_line(tmp_path: Path, line: str, messa
         InstructionData([str(tmp_path / "c.jsonl")], ByteTokenizer(), SEQ)
 
 
-def test_bad_lines_can_be_skipped_and_counted(tmp_path: Path) -> None:
-    (tmp_path / "c.jsonl").write_text('{"prompt": "p", "response": "r"}\nnot json\n[1]\n')
-    assert InstructionData([str(tmp_path / "c.jsonl")], ByteTokenizer(), SEQ, on_bad_record="skip").skipped == 2
+def test_bad_records_can_be_skipped_and_counted(tmp_path: Path) -> None:
+    lines = ['{"prompt": "p", "response": "r"}', "not json", "[1]", '{"prompt": "p"}', '{"messages": []}']
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    data = InstructionData([str(tmp_path / "c.jsonl")], ByteTokenizer(), SEQ, on_bad_record="skip")
+    assert data.skipped == 4 and len(data) == 1
 
 
 def _model() -> torch.nn.Module:
@@ -108,6 +127,8 @@ LAYOUTS = {
     "zero3 2 micro-batches": tessera.Plan(zero=3, pipeline={"microbatches": 2}),
     "tp2": tessera.Plan(tp=2),
     "pp2": tessera.Plan(pp=2, pipeline={"microbatches": 2}),
+    "Ulysses sp2": tessera.Plan(sp=2),
+    "tp2 split-gather sp": tessera.Plan(tp=2, sp=2, sp_mode="split_gather"),
 }
 
 
@@ -149,8 +170,9 @@ def _check_layouts(layouts: list[str], path: str, data: InstructionData, pack: b
 
 
 def test_fine_tuning_averages_over_the_global_batch_s_response_tokens_in_every_layout(tmp_path: Path) -> None:
-    """DDP, uneven shares 3:1, ZeRO-3, two micro-batches, tp2, pp2: the same losses and parameters after 2
-    AdamW steps as one process taking the mean over each global batch's response tokens (1e-5)."""
+    """DDP, uneven shares 3:1, ZeRO-3, two micro-batches, tp2, pp2, Ulysses sp2, tp2 with split/gather sequence
+    parallelism: the same losses and parameters after 2 AdamW steps as one process taking the mean over each
+    global batch's response tokens (1e-5)."""
     path = str(_records(tmp_path / "sft.jsonl"))
     _check_layouts(list(LAYOUTS), path, InstructionData([path], ByteTokenizer(), SEQ))
 
@@ -178,12 +200,15 @@ def test_packed_records_share_a_sequence_but_see_only_themselves(tmp_path: Path)
 
 
 def test_packed_fine_tuning_matches_one_process_in_every_layout_that_takes_it(tmp_path: Path) -> None:
-    """DDP, shares 3:1, ZeRO-3 with two micro-batches and tp2 on packed records equal one process training the
-    same packed sequences with the records' mask (1e-5); `tessera train` refuses packing with pipeline stages."""
+    """DDP, shares 3:1, ZeRO-3 with two micro-batches, tp2, Ulysses sp2 (each rank a slice of the tokens and
+    positions, the mask over the whole sequence) and tp2 with split/gather sequence parallelism on packed
+    records equal one process training the same packed sequences with the records' mask (1e-5); `tessera
+    train` refuses packing with pipeline stages."""
     path = str(_records(tmp_path / "sft.jsonl", n=120))
     data = InstructionData([path], ByteTokenizer(), PACKED, pack=True)
     assert len(data) >= STEPS * BATCH
-    _check_layouts(["ddp", "ddp shares 3:1", "zero3 2 micro-batches", "tp2"], path, data, pack=True)
+    layouts = ["ddp", "ddp shares 3:1", "zero3 2 micro-batches", "tp2", "Ulysses sp2", "tp2 split-gather sp"]
+    _check_layouts(layouts, path, data, pack=True)
     import yaml
     from test_checkpoint import tiny_config
 

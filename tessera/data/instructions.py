@@ -19,6 +19,8 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -26,36 +28,21 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from tessera.data.records import BadRecords, json_objects
 from tessera.inputs import InputError
 
 IGNORED = -100  # F.cross_entropy's ignore_index: not counted in the loss
 ROLES = ("system", "user", "assistant")
 
 
-def read_records(paths: list[str], on_bad_record: str = "stop") -> tuple[list[dict[str, Any]], int]:
-    """Every record of the jsonl files, with its ``file:line``; records that are not JSON objects are an
-    error there (``on_bad_record: stop``) or left out and counted (``skip``)."""
-    records, skipped = [], 0
+def read_records(paths: list[str], bad: BadRecords) -> list[dict[str, Any]]:
+    """Every record of the jsonl files, with its ``file:line``; a line that is not a JSON object goes to
+    ``bad`` (stops there, or is left out and counted)."""
+    records = []
     for path in paths:
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                if on_bad_record == "stop":
-                    raise InputError(
-                        f"{path}:{n}: not a JSON object ({exc}) (data.on_bad_record: skip leaves such lines out, "
-                        "counted)."
-                    ) from None
-                skipped += 1
-                continue
-            records.append({**record, "_where": f"{path}:{n}"})
-    if not records:
-        raise InputError(f"data.instructions {', '.join(paths)} hold no records ({skipped} skipped).")
-    return records, skipped
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+        records += [{**record, "_where": where} for where, record in json_objects(lines, path, bad)]
+    return records
 
 
 class ChatTemplate:
@@ -95,31 +82,48 @@ class ChatTemplate:
         return out
 
 
+class BadRecord(ValueError):
+    """A record that cannot be used, and why (the reader names where: ``file:line``)."""
+
+
 def tokenize_record(record: dict[str, Any], tokenizer: Any, chat: ChatTemplate | None) -> tuple[list[int], list[bool]]:
-    """The record's tokens and which of them the loss counts (the response's, and its end token)."""
-    where = record.get("_where", "a record")
+    """The record's tokens and which of them the loss counts (the response's, and its end token); a record
+    that cannot be used raises :class:`BadRecord`."""
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
-            raise InputError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects.")
+            raise BadRecord("'messages' must be a non-empty list of {role, content} objects")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise InputError(f"{where}: every message needs a string 'content'.")
+                raise BadRecord("every message needs a string 'content'")
             if m.get("role") not in ROLES:
-                raise InputError(f"{where}: unknown role {m.get('role')!r} (roles: {', '.join(ROLES)}).")
-        if chat is None:
+                raise BadRecord(f"unknown role {m.get('role')!r} (roles: {', '.join(ROLES)})")
+        if chat is None:  # the data's form, not one record's fault: stops, whatever on_bad_record says
+            where = record.get("_where", "a record")
             raise InputError(f"{where}: a messages record needs a tokenizer with a chat template (data.tokenizer).")
-        ids, counted = [], []
-        for role, text in chat.segments([{"role": m["role"], "content": m["content"]} for m in messages]):
-            piece = tokenizer.encode(text)
-            ids += piece
-            counted += [role == "assistant"] * len(piece)
-        return ids, counted
+        return _assistant_tokens(chat.segments([{"role": m["role"], "content": m["content"]} for m in messages]),
+                                 tokenizer)  # fmt: skip
     prompt, response = record.get("prompt"), record.get("response")
     if not isinstance(prompt, str) or not isinstance(response, str):
-        raise InputError(f"{where}: a record needs string 'prompt' and 'response' fields, or 'messages'.")
+        raise BadRecord("a record needs string 'prompt' and 'response' fields, or 'messages'")
     head, tail = tokenizer.encode(prompt), [*tokenizer.encode(response), *tokenizer.end_of_document]
     return head + tail, [False] * len(head) + [True] * len(tail)
+
+
+def _assistant_tokens(segments: list[tuple[str, str]], tokenizer: Any) -> tuple[list[int], list[bool]]:
+    """The rendered conversation tokenized in one piece (the tokens the model will be prompted with, merges
+    across a turn's boundary made: " self" after a header ending in a space), each token counted when it
+    carries a character of an assistant turn."""
+    text = "".join(piece for _, piece in segments)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    starts = list(itertools.accumulate((len(piece) for _, piece in segments), initial=0))
+    roles = [role for role, _ in segments]
+
+    def counted(start: int, end: int) -> bool:
+        first, last = (bisect.bisect_right(starts, c) - 1 for c in (start, max(end - 1, start)))
+        return any(roles[k] == "assistant" for k in range(first, min(last, len(roles) - 1) + 1))
+
+    return ids, [counted(start, end) for start, end in offsets]
 
 
 class InstructionData(Dataset):
@@ -141,17 +145,25 @@ class InstructionData(Dataset):
         pad_id: int = 0,
         pack: bool = False,
     ) -> None:
-        records, self.skipped = read_records(paths, on_bad_record)
+        bad = BadRecords(on_bad_record)
+        records = read_records(paths, bad)
         tokenizer_json = getattr(tokenizer, "path", None)
         needs_chat = any("messages" in r for r in records)
         chat = ChatTemplate(tokenizer_json) if needs_chat and tokenizer_json is not None else None
         self.truncated, pieces = 0, []
         for record in records:
-            ids, counted = tokenize_record(record, tokenizer, chat)
+            try:
+                ids, counted = tokenize_record(record, tokenizer, chat)
+            except BadRecord as exc:
+                bad(record["_where"], str(exc))
+                continue
             if len(ids) > seq_len + 1:
                 self.truncated += 1
                 ids, counted = ids[: seq_len + 1], counted[: seq_len + 1]
             pieces.append((ids, counted))
+        self.skipped = bad.skipped
+        if not pieces:
+            raise InputError(f"data.instructions {', '.join(paths)} hold no records ({bad.skipped} skipped).")
         groups = _pack(pieces, seq_len) if pack else [[p] for p in pieces]
         n = len(groups)
         self.x = torch.full((n, seq_len), pad_id, dtype=torch.long)

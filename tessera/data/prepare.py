@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tessera.data.records import BadRecords, json_objects
 from tessera.data.tokenizer import load_tokenizer, tokenizer_file
 from tessera.inputs import InputError
 
@@ -151,34 +152,20 @@ def _init_worker(tokenizer: str, threads: bool = True) -> None:
 
 def _records(piece: Piece, field: str, on_bad: str) -> tuple[list[str], int]:
     """The piece's documents, and how many records were skipped (``on_bad``: stop raises instead)."""
-    docs, skipped = [], 0
-
-    def bad(where: str, why: str) -> None:
-        nonlocal skipped
-        if on_bad == "stop":
-            raise InputError(f"{where}: {why} (data.on_bad_record: skip leaves such records out, counted).")
-        skipped += 1
-
+    docs, bad = [], BadRecords(on_bad)
     if piece.kind == "text":
         return [Path(piece.path).read_bytes().decode("utf-8", errors="replace")], 0
     if piece.kind == "jsonl":
         with open(piece.path, "rb") as f:
             f.seek(piece.start)
             lines = f.read(piece.end - piece.start).split(b"\n")
-        for n, raw in enumerate(lines, start=piece.line):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except ValueError as exc:
-                bad(f"{piece.path}:{n}", f"not JSON ({exc})")
-                continue
-            value = record.get(field) if isinstance(record, dict) else None
+        for where, record in json_objects(lines, piece.path, bad, first_line=piece.line):
+            value = record.get(field)
             if isinstance(value, str):
                 docs.append(value)
             else:
-                bad(f"{piece.path}:{n}", f"no string field '{field}'")
-        return docs, skipped
+                bad(where, f"no string field '{field}'")
+        return docs, bad.skipped
     if piece.kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -194,7 +181,7 @@ def _records(piece: Piece, field: str, on_bad: str) -> tuple[list[str], int]:
         else:
             bad(f"{piece.path} (row {row}{f' of row group {piece.start}' if piece.kind == 'parquet' else ''})",
                 f"'{field}' is not a string")  # fmt: skip
-    return docs, skipped
+    return docs, bad.skipped
 
 
 def _tokenize(args: tuple[Piece, Path, str, str, str]) -> dict[str, int]:
@@ -228,8 +215,7 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into shards under ``out``; resume a run interrupted with the same settings.
     Returns the index (also written to ``out/index.json``)."""
-    if on_bad_record not in ("stop", "skip"):
-        raise InputError(f"data.on_bad_record must be stop or skip, got {on_bad_record!r}.")
+    BadRecords(on_bad_record)  # refuses a value other than stop or skip
     out = Path(out)
     spec = tokenizer if tokenizer == "bytes" else str(tokenizer_file(tokenizer, "--tokenizer").resolve())
     tok = load_tokenizer(spec)

@@ -125,8 +125,14 @@ class ShardedLoader:
             yield to_device(batch, self.device)
 
 
+WHOLE_SEQUENCE = ("documents",)  # packed records' ids: every slice's attention mask spans the whole sequence
+
+
 def slice_sequence(batch: Any, index: int, parts: int) -> Any:
-    """The ``index``-th of ``parts`` equal slices of dim 1 of every tensor with two or more dims."""
+    """The ``index``-th of ``parts`` equal slices of dim 1 of every tensor with two or more dims (of a dict
+    batch, all but those named in ``WHOLE_SEQUENCE``)."""
+    if isinstance(batch, dict):
+        return {k: v if k in WHOLE_SEQUENCE else slice_sequence(v, index, parts) for k, v in batch.items()}
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         if t.dim() < 2:

@@ -73,6 +73,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids and, for each, the (start, end) characters of ``text`` it stands for."""
+        encoding = self.inner.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
 

@@ -53,11 +53,13 @@ def ulysses_attention(
     is_causal: bool = True,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the whole sequence for inputs holding this rank's sequence slice.
 
-    Args: q (batch, heads, seq/P, dim); k, v (batch, kv_heads, seq/P, dim). Returns the output
-    for this rank's slice, shaped like q. Equal to attention on the gathered sequence.
+    Args: q (batch, heads, seq/P, dim); k, v (batch, kv_heads, seq/P, dim); ``mask``: which keys each
+    query of the whole sequence may see (batch, 1, seq, seq; packed records), instead of causal. Returns
+    the output for this rank's slice, shaped like q. Equal to attention on the gathered sequence.
     """
     p = dist.get_world_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -72,7 +74,10 @@ def ulysses_attention(
     repeat = q.shape[1] // k.shape[1]  # grouped-query attention on the local heads
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     return heads_to_seq(out, group)
 
 
@@ -101,9 +106,17 @@ def hf_ulysses_attention(
     scaling: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Hugging Face attention-function signature around :func:`ulysses_attention` (causal, no padding
-    mask): q/k/v (batch, heads, seq/P, dim) in, (batch, seq/P, heads, dim) out."""
-    out = ulysses_attention(query, key, value, module.sp_group, scale=scaling, dropout_p=dropout)  # type: ignore[arg-type]
+    """Hugging Face attention-function signature around :func:`ulysses_attention`: q/k/v (batch, heads,
+    seq/P, dim) in, (batch, seq/P, heads, dim) out. Causal, or, given a 4D mask over the whole sequence
+    (packed records: each token sees its own record's earlier tokens), that mask."""
+    whole = query.shape[2] * dist.get_world_size(module.sp_group)  # type: ignore[arg-type]
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+    if mask is not None and mask.shape[-2:] != (whole, whole):
+        raise PlanError(
+            f"Ulysses sequence parallelism takes a 4D attention mask over the whole sequence ({whole} tokens); "
+            f"got one of shape {tuple(mask.shape)}."
+        )
+    out = ulysses_attention(query, key, value, module.sp_group, scale=scaling, dropout_p=dropout, mask=mask)  # type: ignore[arg-type]
     return out.transpose(1, 2).contiguous(), None
 
 
