@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from tessera import distributed, traffic
 from tessera.data.sharding import ShardedLoader, ShareBatchSampler, split_batch
-from tessera.errors import NotSupportedYet, PlanError
+from tessera.errors import PlanError
 from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer
 from tessera.parallel import data_parallel, fault_tolerant
@@ -251,7 +251,7 @@ class Booster:
             >>> optimizer.step(); optimizer.zero_grad()
         """
         batch = next(data_iter) if isinstance(data_iter, Iterator) else data_iter
-        inputs, target = self._inputs_and_target(batch)
+        inputs, target = inputs_and_target(batch)
         loss = self.engine.forward_backward(inputs, target, model, loss_fn)
         self._ctx.after_backward()
         return loss
@@ -266,7 +266,7 @@ class Booster:
             >>> val = booster.reduce_loss(booster.evaluate(batch, model, loss_fn))
         """
         batch = next(data_iter) if isinstance(data_iter, Iterator) else data_iter
-        inputs, target = self._inputs_and_target(batch)
+        inputs, target = inputs_and_target(batch)
         was_training = model.training
         model.eval()
         try:
@@ -276,15 +276,6 @@ class Booster:
             # ZeRO-2 keeps gathered parameters after a forward for the backward, which reshards them; with no
             # backward they would stay whole, and the next checkpoint would not find the optimizer's shards
             data_parallel.reshard(model)
-
-    def _inputs_and_target(self, batch: Any) -> tuple[Any, torch.Tensor]:
-        inputs, target = inputs_and_target(batch)
-        if isinstance(inputs, dict) and self.plan.pipelined:
-            raise NotSupportedYet(
-                "packed records (a batch with 'documents') with pipeline stages are not supported yet: a stage "
-                "takes one tensor; use data.pack: false there, or no plan.pp."
-            )
-        return inputs, target
 
     def clip_grad_norm(
         self, model: nn.Module, optimizer: BoostedOptimizer | None = None, max_norm: float = 1.0, norm_type: float = 2.0

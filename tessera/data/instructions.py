@@ -194,6 +194,15 @@ class InstructionData(Dataset):
         return item
 
 
+def records_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq): a token may attend to the earlier tokens of its own record only (``documents``:
+    each token's record in its sequence, (batch, seq))."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]
+    return (same & causal)[:, None]
+
+
 def _pack(pieces: list[tuple[list[int], list[bool]]], seq_len: int) -> list[list[tuple[list[int], list[bool]]]]:
     """Records in order, a new sequence whenever the next would not fit (a record of k tokens takes k - 1)."""
     groups: list[list[tuple[list[int], list[bool]]]] = [[]]

@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from tessera.data.instructions import records_mask
 from tessera.distributed import local
 from tessera.errors import NotSupportedYet, PlanError
 from tessera.parallel.policy import PipelineLayout
@@ -82,7 +83,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.config = getattr(model, "config", None)
         self.sp_group = None  # pipeline stages see whole sequences
-        self._stage_forward = layout.forward
+        self._stage_forward, self._packs, self._is_last = layout.forward, layout.packs, is_last
         for path in layout.every + (layout.first if is_first else ()) + (layout.last if is_last else ()):
             _place(self, path, model.get_submodule(path))
         blocks = model.get_submodule(layout.layers)
@@ -90,8 +91,19 @@ class StageModule(nn.Module):
         for name in layout.buffers:  # e.g. rotary tables: not saved, rebuilt from the config
             self.register_buffer(name, getattr(model, name), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._stage_forward(self, x)
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Tokens (first stage) or hidden states in; logits (last stage) or hidden states out. Packed records
+        come with their positions and ``documents`` (each token's record), passed on to the next stage."""
+        if documents is None:
+            return self._stage_forward(self, x)
+        if not self._packs:
+            raise NotSupportedYet(
+                "packed records with pipeline stages need a Hugging Face model: use data.pack: false."
+            )
+        out = self._stage_forward(self, x, position_ids=position_ids, attention_mask=records_mask(documents))
+        return out if self._is_last else (out, position_ids, documents)
 
 
 def stage_owners(pp: int, n_stages: int, schedule: str) -> dict[int, int]:
@@ -273,19 +285,21 @@ class PipelineRunner:
 
     def _run(
         self,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | dict[str, torch.Tensor],
         target: torch.Tensor,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         factor: float,
         run: Callable[..., Any],
     ) -> torch.Tensor:
         mb = self.spec.microbatches
-        check_microbatches(inputs.shape[0], mb)
+        packed = isinstance(inputs, dict)  # packed records: tokens, positions and documents, stage to stage
+        tokens = inputs["input_ids"] if packed else inputs
+        check_microbatches(tokens.shape[0], mb)
         self._loss_fn = lambda out, tgt: loss_fn(out, tgt) * (factor / mb)
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.holds_first else ()
-        run(*args, target=target if self.holds_last else None, losses=losses)
-        device = inputs.device
+        args = (tokens, inputs["position_ids"], inputs["documents"]) if packed else (inputs,)
+        run(*(args if self.holds_first else ()), target=target if self.holds_last else None, losses=losses)
+        device = tokens.device
         if self.holds_last:
             loss = torch.stack([local(x.detach()).float() for x in losses]).sum() / factor
         else:

@@ -22,16 +22,18 @@ class PipelineLayout:
     The first stage holds ``first`` (embeddings), the last holds ``last`` (final norm, head),
     every stage holds ``every`` (parameter-free helpers such as a rotary embedding) and the
     root buffers named in ``buffers``; the blocks of ``layers`` are split by layer range.
-    ``forward(stage, x)`` runs one stage: tokens in on the first, logits out on the last.
+    ``forward(stage, x)`` runs one stage: tokens in on the first, logits out on the last; with
+    ``packs``, also ``forward(stage, x, position_ids=, attention_mask=)`` for packed records.
     """
 
     layers: str
     first: tuple[str, ...]
     last: tuple[str, ...]
-    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    forward: Callable[..., torch.Tensor]
     every: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
     check: Callable[[nn.Module], None] | None = None  # refuse models this layout cannot cut
+    packs: bool = False  # forward takes packed records' positions and attention mask
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tessera import distributed
+from tessera.data.instructions import records_mask
 from tessera.errors import PlanError
 from tessera.parallel import data_parallel
 from tessera.parallel.pipeline import check_microbatches
@@ -129,7 +130,7 @@ def _chunks(inputs: Any, n: int) -> list[Any]:
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
-    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return model(**keyword_inputs(inputs)) if isinstance(inputs, dict) else model(inputs)
 
 
 def _rows(inputs: Any) -> int:
@@ -164,14 +165,17 @@ def forward_only(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Modu
 
 def inputs_and_target(batch: Any) -> tuple[Any, torch.Tensor]:
     """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels. A dict that also
-    has ``documents`` (packed records) gives keyword inputs (:func:`packed_inputs`)."""
+    has ``documents`` (packed records) gives them with the tokens and positions (:func:`keyword_inputs` makes
+    a model's keyword inputs of them; a pipeline passes them from stage to stage)."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     if isinstance(batch, dict):
         x = next((batch[k] for k in ("x", "input_ids") if k in batch), None)
         y = next((batch[k] for k in ("y", "labels") if k in batch), None)
         if x is not None and y is not None:
-            return (packed_inputs(x, batch) if "documents" in batch else x), y
+            if "documents" in batch:
+                return {"input_ids": x, "position_ids": batch["position_ids"], "documents": batch["documents"]}, y
+            return x, y
     keys = f" (keys: {', '.join(map(str, batch))})" if isinstance(batch, dict) else ""
     raise PlanError(
         f"execute_pipeline needs batches of (inputs, target) or dicts with 'x'/'input_ids' and 'y'/'labels', "
@@ -179,12 +183,16 @@ def inputs_and_target(batch: Any) -> tuple[Any, torch.Tensor]:
     )
 
 
+def keyword_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face model's keyword inputs: packed records' ``documents`` become their attention mask."""
+    if "documents" not in inputs:
+        return inputs
+    rest = {k: v for k, v in inputs.items() if k != "documents"}
+    return {**rest, "attention_mask": records_mask(inputs["documents"])}
+
+
 def packed_inputs(tokens: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keyword inputs of a Hugging Face model for a batch of packed records: the tokens, each record's
     positions (``position_ids``), and a (batch, 1, seq, seq) mask letting a token attend to the earlier tokens
     of its own record only (``documents``: each token's record in its sequence)."""
-    documents = batch["documents"]
-    seq = documents.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    same = documents[:, :, None] == documents[:, None, :]
-    return {"input_ids": tokens, "position_ids": batch["position_ids"], "attention_mask": (same & causal)[:, None]}
+    return keyword_inputs({"input_ids": tokens, "position_ids": batch["position_ids"], "documents": batch["documents"]})

@@ -106,11 +106,10 @@ def check_training(
 
         if plan.groups is not None:
             raise ConfigError("data.instructions with plan.groups is not supported yet: fine-tune without groups.")
-        if cfg.data.pack and (plan.pipelined or not cfg.model.kind.startswith("hf_")):
+        if cfg.data.pack and not cfg.model.kind.startswith("hf_"):
             raise ConfigError(
                 "data.pack keeps records apart with an attention mask and per-record positions, which a Hugging "
-                "Face model takes and a pipeline stage cannot yet: use an hf_ model.kind or model.pretrained, "
-                "without plan.pp (or data.pack: false)."
+                "Face model takes: use an hf_ model.kind or model.pretrained (or data.pack: false)."
             )
         paths = resolve_paths(cfg.data.instructions)
         data = InstructionData(paths, tokenizer_for(cfg), cfg.data.seq_len, cfg.data.on_bad_record, pack=cfg.data.pack)

@@ -69,17 +69,24 @@ def _after_tp(module: nn.Module, tp: int) -> None:
         module.lm_head.weight = module.transformer.wte.weight
 
 
-def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """One pipeline stage: the block loop of ``GPT2Model.forward`` (no cache, no padding mask)."""
+def _stage_forward(
+    stage: nn.Module,
+    x: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One pipeline stage: the block loop of ``GPT2Model.forward`` (no cache; causal, or packed records'
+    positions and 4D mask)."""
     from transformers.masking_utils import create_causal_mask
 
     from tessera.parallel import sequence
 
     inner = stage.transformer
-    position_ids = sequence.position_ids(x.shape[1], stage.sp_group, x.device)  # offset under Ulysses
+    if position_ids is None:
+        position_ids = sequence.position_ids(x.shape[1], stage.sp_group, x.device)  # offset under Ulysses
     h = inner.drop(inner.wte(x) + inner.wpe(position_ids)) if hasattr(inner, "wte") else x
-    mask = create_causal_mask(
-        config=stage.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+    mask = create_causal_mask(  # a 4D mask comes back as it is
+        config=stage.config, inputs_embeds=h, attention_mask=attention_mask, cache=None, position_ids=position_ids
     )
     for block in inner.h.values():
         h = block(h, None, mask, position_ids=position_ids)
@@ -111,5 +118,6 @@ GPT2 = Policy(
         first=("transformer.wte", "transformer.wpe", "transformer.drop"),
         last=("transformer.ln_f", "lm_head"),
         forward=_stage_forward,
+        packs=True,
     ),
 )

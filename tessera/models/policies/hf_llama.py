@@ -21,17 +21,24 @@ def _is_hf_llama(model: nn.Module) -> bool:
     return type(model).__name__ in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
-def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """One pipeline stage: the decoder loop of ``LlamaModel.forward`` (no cache, no padding mask)."""
+def _stage_forward(
+    stage: nn.Module,
+    x: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One pipeline stage: the decoder loop of ``LlamaModel.forward`` (no cache; causal, or packed records'
+    positions and 4D mask)."""
     from transformers.masking_utils import create_causal_mask
 
     from tessera.parallel import sequence
 
     inner = stage.model
     h = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
-    position_ids = sequence.position_ids(h.shape[1], stage.sp_group, h.device)  # offset under Ulysses
-    mask = create_causal_mask(
-        config=stage.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+    if position_ids is None:
+        position_ids = sequence.position_ids(h.shape[1], stage.sp_group, h.device)  # offset under Ulysses
+    mask = create_causal_mask(  # a 4D mask comes back as it is
+        config=stage.config, inputs_embeds=h, attention_mask=attention_mask, cache=None, position_ids=position_ids
     )
     position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
     for layer in inner.layers.values():
@@ -112,5 +119,6 @@ HF_LLAMA = Policy(
         every=("model.rotary_emb",),
         forward=_stage_forward,
         check=_check_full_attention,
+        packs=True,
     ),
 )
