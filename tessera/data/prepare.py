@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tessera.data.records import BadRecords, json_objects
+from tessera.data.text import matching
 from tessera.data.tokenizer import load_tokenizer, tokenizer_file
 from tessera.inputs import InputError
 
@@ -71,8 +71,7 @@ def input_files(patterns: list[str]) -> list[Path]:
     """Paths and globs, in order; a ``datasets`` directory (``save_to_disk``) counts as one input."""
     found: list[Path] = []
     for pattern in patterns:
-        matched = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        matched = [m for m in matched if Path(m).is_file() or (Path(m) / "state.json").is_file()]
+        matched = matching(pattern, lambda m: m.is_file() or (m / "state.json").is_file())
         if not matched:
             hint = " (a datasets directory holds state.json: save it with Dataset.save_to_disk)" if Path(
                 pattern

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,19 @@ def default_corpus() -> list[str]:
     return sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
 
 
+def matching(pattern: str, accept: Callable[[Path], bool] = Path.is_file) -> list[str]:
+    """What a path or a glob (sorted matches, ``**`` across folders) names, keeping what ``accept`` takes."""
+    matched = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+    return [m for m in matched if accept(Path(m))]
+
+
 def resolve_paths(patterns: list[str]) -> list[str]:
     """Expand paths and globs; every pattern must match at least one file."""
     if not patterns:
         return default_corpus()
     files: list[str] = []
     for pattern in patterns:
-        matched = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        matched = [m for m in matched if Path(m).is_file()]
+        matched = matching(pattern)
         if not matched:
             raise FileNotFoundError(f"data.paths: '{pattern}' matches no file: give existing text files or a glob.")
         files.extend(matched)
