@@ -67,6 +67,7 @@ def test_only_the_adapters_are_optimised() -> None:
     [
         ({"lora_dropout": 0.1}, "LoRA dropout would drop different features on each tp rank"),
         ({"target_modules": ["q_proj", "lm_head"]}, "LoRA on lm_head with tensor parallelism .* is not supported"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "LoRA on model.embed_tokens with tensor parallelism"),
         ({"use_dora": True}, "variants \\(DoRA and others\\) are not supported"),
     ],
 )
@@ -80,6 +81,19 @@ def test_what_tensor_parallel_adapters_cannot_do_is_refused_by_name(lora: dict, 
                            LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **lora}))  # fmt: skip
     with pytest.raises(PlanError, match=message):
         policy_for(model).tensor_plan(model)
+
+
+def test_lora_dropout_under_tensor_parallelism_is_refused_before_launch(tmp_path: Path) -> None:
+    from test_checkpoint import tiny_config
+
+    from tessera.train.config import ConfigError
+    from tessera.train.preflight import check_training
+
+    config = tiny_config(tmp_path / "runs", 2, 2, {"tp": 2}, kind="hf_llama")
+    config["model"]["lora"] = {"dropout": 0.1}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 with plan.tp=2: .* set model.lora.dropout: 0"):
+        check_training(str(tmp_path / "c.yaml"), [], 2, 1, overwrite=True)
 
 
 def test_pretrained_lora_checkpoints_the_adapters_alone_resumes_them_and_exports_them_merged(tmp_path: Path) -> None:

@@ -121,6 +121,11 @@ def check_training(
         split_validation(shards, cfg.data.validation, cfg.train.global_batch_size)
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
+    if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
+        raise ConfigError(
+            f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
+            "different features of the same input; set model.lora.dropout: 0 or plan.tp: 1."
+        )
     check_memory(cfg, plan, nproc)
     if cfg.eval.every and plan.pipelined and plan.pipeline.schedule in V_SCHEDULES:
         raise ConfigError(

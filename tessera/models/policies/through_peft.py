@@ -68,9 +68,9 @@ def through_peft(policy: Policy) -> Policy:
 
 def _adapted(plan: dict[str, ParallelStyle], base: nn.Module, policy: Policy) -> dict[str, ParallelStyle]:
     """The base model's tp plan under the peft prefix, each adapted projection split as said above."""
-    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
 
-    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLinear)}
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     out: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
         mine = [name for name in adapted if fnmatch(name, pattern)]
@@ -86,8 +86,11 @@ def _adapted(plan: dict[str, ParallelStyle], base: nn.Module, policy: Policy) ->
 
 def _split_adapted(name: str, layer: Any, style: ParallelStyle, policy: Policy) -> dict[str, ParallelStyle]:
     """The styles of one peft ``lora.Linear`` (``name`` in the base model) whose base layer gets ``style``."""
+    from peft.tuners.lora import Linear as LoraLinear
+
     where = f"LoRA on {name} with tensor parallelism (Plan.tp > 1)"
-    if name == policy.head or type(style) not in (ColwiseParallel, RowwiseParallel):
+    split = type(style) in (ColwiseParallel, RowwiseParallel) and isinstance(layer, LoraLinear)
+    if name == policy.head or not split:
         raise PlanError(f"{where} is not supported: adapt the attention and MLP projections only, or use tp=1.")
     if getattr(layer, "lora_variant", None):
         raise PlanError(f"{where}: peft's variants (DoRA and others) are not supported; use plain LoRA or tp=1.")
