@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from tessera import distributed, traffic
 from tessera.data.sharding import ShardedLoader, ShareBatchSampler, split_batch
 from tessera.errors import PlanError
+from tessera.models.moe import after_step, moe_layers
 from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer
 from tessera.parallel import data_parallel, fault_tolerant
@@ -148,9 +149,15 @@ class Booster:
         # Tied weights are read before tp or FSDP replace parameters per module and hide the sharing.
         wrapped = self.engine.wrap(model, list(names.values()))
         self._ctx.model = wrapped
+        experts = moe_layers(model)
+        for layer in experts:  # the balance loss and bias count the routing of the whole batch
+            layer.balance_group = self.engine.grad_group()
+        self._ctx.weighted_layers = experts
         if optimizer is None:
             return wrapped, None
         self._ctx.optimizer = boost_optimizer(optimizer, wrapped, names, self._ctx, self.engine)
+        if experts:  # the step's routing counts, and the loss-free bias
+            self._ctx.optimizer.after_step.append(lambda: after_step(model))
         if self.groups is not None and self.groups.sync != "every_step":  # after the inner steps
             # groups that differ in size or layout meet in canonical slots, as many as the smallest has ranks
             slots = min(self.groups.sizes or (dist.get_world_size(),)) if self.groups.differ else None

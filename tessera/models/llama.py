@@ -1,6 +1,7 @@
 """A Llama-style decoder in plain PyTorch: the reference model every layout is tested on.
 
-RMSNorm, rotary position embeddings, SwiGLU feed-forward, grouped-query
+RMSNorm, rotary position embeddings, SwiGLU feed-forward (or a mixture of experts:
+``LlamaConfig(moe=MoESpec(experts=8, top_k=2))``, :mod:`tessera.models.moe`), grouped-query
 attention, tied or untied embeddings; sized entirely by :class:`LlamaConfig`.
 
 Example:
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import PlanError
+from tessera.models.moe import MoE, MoESpec
 from tessera.parallel.sequence import sequence_start, ulysses_attention
 
 
@@ -33,6 +35,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    moe: MoESpec | None = None  # experts in place of every block's feed-forward
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -132,7 +135,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        moe = cfg.moe
+        self.feed_forward = MoE(cfg.dim, moe.hidden or cfg.ffn_dim, moe) if moe and moe.experts else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -165,7 +169,8 @@ class Llama(nn.Module):
                 nn.init.ones_(p)
             else:
                 # Scale residual output projections by depth (GPT-2 style).
-                scale = 1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1
+                residual = name.endswith(("wo.weight", "w2.weight", "feed_forward.w2"))  # (the experts' w2 too)
+                scale = 1 / math.sqrt(2 * self.config.n_layers) if residual else 1
                 nn.init.normal_(p, mean=0.0, std=std * scale)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class BoostedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
         self.skipped_steps = 0
         self.outer: Any = None  # Plan.groups: an OuterSync told of every step (tessera.parallel.outer)
+        self.after_step: list[Callable[[], None]] = []  # e.g. the experts' loss-free balancing bias
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -104,6 +105,8 @@ class BoostedOptimizer(torch.optim.Optimizer):
             self.inner.step()
         if self.outer is not None:
             self.outer.after_inner_step()
+        for hook in self.after_step:
+            hook()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

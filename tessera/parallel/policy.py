@@ -58,6 +58,7 @@ class Policy:
     # embeddings (both vocabulary-sharded alike), adjust attributes that count local features.
     after_tp: Callable[[nn.Module, int], None] | None = None
     sequence_parallel_plan: Callable[[nn.Module], dict[str, ParallelStyle]] | None = None
+    tp_check: Callable[[nn.Module], None] | None = None  # refuse models the tp plan cannot split
 
     def tensor_plan(
         self, model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
@@ -97,6 +98,8 @@ class Policy:
 
     def check_tp(self, model: nn.Module, tp: int) -> None:
         """Refuse a tensor-parallel degree the model's sizes cannot be split by."""
+        if tp > 1 and self.tp_check is not None:
+            self.tp_check(model)
         for name, size in self.sizes(model).items():
             if size % tp:
                 raise PlanError(f"Plan.tp={tp} does not divide {self.name} {name}={size}: choose a tp that divides it.")

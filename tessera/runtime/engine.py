@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,9 @@ class Context:
     loss_weight: float  # this rank's share of the global batch, relative to an even split
     model: nn.Module | None = None
     optimizer: Any | None = None
+    # layers whose own loss reaches the gradient inside the backward (experts' balance loss): they take the
+    # multiplier the runtime gives the batch loss (share weight, micro-batch fraction, fp16 scale)
+    weighted_layers: list[Any] = field(default_factory=list)
 
     def require_policy(self, feature: str) -> Policy:
         if self.policy is None:
@@ -56,8 +59,18 @@ class Context:
     def loss_parallel(self) -> contextlib.AbstractContextManager[None]:
         return loss_parallel() if self.plan.loss_parallel else contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with the rank's share weighting and fp16 loss scaling."""
+    def weigh_layer_losses(self, multiplier: float) -> None:
+        """What the next backward multiplies the batch loss by, for layers that add their own loss."""
+        for layer in self.weighted_layers:
+            layer.loss_scale = multiplier
+
+    def backward(self, loss: torch.Tensor, fraction: float = 1.0) -> None:
+        """``(loss × fraction).backward()`` with the rank's share weighting and fp16 loss scaling
+        (``fraction``: a micro-batch's part of the batch)."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self.weigh_layer_losses(fraction * self.loss_weight * scale)
+        if fraction != 1.0:
+            loss = loss * fraction
         if self.loss_weight != 1.0:
             loss = loss * self.loss_weight
         if self.scaler is not None:
@@ -146,7 +159,7 @@ def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module
         with data_parallel.no_sync(model) if i < n - 1 else contextlib.nullcontext():
             with ctx.loss_parallel():
                 loss = loss_fn(_call(model, x), y)
-            ctx.backward(loss / n)
+            ctx.backward(loss, fraction=1 / n)
         total += distributed.local(loss.detach()).float()
     return total / n
 

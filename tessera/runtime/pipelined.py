@@ -41,6 +41,7 @@ def run_schedule(
     """One batch through the pipeline schedule, each micro-batch loss weighted by this rank's share
     and the fp16 loss scale."""
     factor = ctx.loss_weight * (ctx.scaler.scale if ctx.scaler is not None else 1.0)
+    ctx.weigh_layer_losses(factor / ctx.plan.pipeline.microbatches)
     with ctx.loss_parallel():
         return runner.step(inputs, target, loss_fn, factor)
 

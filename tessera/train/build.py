@@ -50,6 +50,20 @@ def check_base_of(checkpoint: Path, cfg: Config) -> None:
     check_same_base(recorded, cfg.model.pretrained, checkpoint)
 
 
+def _moe_spec(moe: Any) -> Any:
+    from tessera.models.moe import MoESpec
+
+    return MoESpec(
+        experts=moe.experts,
+        top_k=moe.top_k,
+        score=moe.score,
+        aux_loss_weight=moe.aux_loss_weight,
+        bias_rate=moe.bias_rate,
+        shared_expert=moe.shared_expert,
+        hidden=moe.hidden,
+    )
+
+
 def base_model(cfg: Config, weights: bool = True) -> nn.Module:
     """The model ``cfg.model`` describes, with the tokenizer's vocabulary and ``data.seq_len`` positions (a
     model from a config or pretrained: its own, checked to hold every id the tokenizer gives; pretrained
@@ -73,6 +87,7 @@ def base_model(cfg: Config, weights: bool = True) -> nn.Module:
                 ffn_dim=m.ffn_dim,
                 max_seq_len=seq,
                 tie_embeddings=m.tie_embeddings,
+                moe=None if m.moe is None else _moe_spec(m.moe),
             )
         )
     from tessera.models import hf

@@ -63,6 +63,32 @@ class LoraSpec(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
 
 
+class MoeSpec(_Section):
+    """Experts in place of the reference Llama's feed-forward blocks (tessera.models.moe): ``experts`` SwiGLU
+    experts, each token sent to its ``top_k`` best by softmax or sigmoid scores, every token kept."""
+
+    experts: int = Field(8, ge=2, le=1 << 12)
+    top_k: int = Field(2, ge=1, le=1 << 12)
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_weight: float = Field(0.01, ge=0, description="the Switch load-balance loss' weight")
+    bias_rate: float = Field(0.0, ge=0, description="loss-free balancing: the bias step per optimizer step")
+    shared_expert: bool = False
+    hidden: int | None = Field(None, gt=0, le=4 * MAX_DIM, description="each expert's hidden size (model.ffn_dim)")
+    warn_share: float = Field(
+        0.5, gt=0, le=1, description="warn when one expert takes more than this share of a layer's routed slots"
+    )
+    warn_steps: int = Field(20, gt=0, description="... at this many reported steps in a row")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoeSpec:
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} is more than model.moe.experts={self.experts}: a token cannot go "
+                "to more experts than there are"
+            )
+        return self
+
+
 class ModelConfig(_Section):
     """``kind: llama`` is the reference model sized by the fields below; ``kind: hf_gpt2`` /
     ``hf_llama`` build a Hugging Face model from the same sizes; ``kind: hf_config`` builds
@@ -74,6 +100,7 @@ class ModelConfig(_Section):
     hf_config: str | None = None
     pretrained: str | None = None
     lora: LoraSpec | None = None
+    moe: MoeSpec | None = None
     dim: int = Field(128, gt=0, le=MAX_DIM)
     n_layers: int = Field(4, gt=0, le=MAX_LAYERS)
     n_heads: int = Field(4, gt=0, le=MAX_DIM)
@@ -109,6 +136,11 @@ class ModelConfig(_Section):
         if self.hf_config is not None and not Path(self.hf_config).exists():
             raise ValueError(
                 f"model.hf_config={shown(self.hf_config)} does not exist: give a config.json or its folder"
+            )
+        if self.moe is not None and self.kind != "llama":
+            raise ValueError(
+                f"model.moe makes the reference Llama's feed-forward blocks experts: use model.kind: llama (got "
+                f"{shown(self.kind)})"
             )
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")

@@ -152,3 +152,34 @@ def plot_loss(metrics_path: Path, out_png: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
+
+
+def plot_experts(metrics_path: Path, out_png: Path, title: str) -> None:
+    """Draw each expert's share of the routed slots (all MoE layers together) against step, and the balance
+    loss, from ``metrics.jsonl``'s ``tokens_per_expert`` and ``balance_loss``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in latest_records(metrics_path) if r.get("tokens_per_expert")]
+    if not records:
+        return
+    steps = [r["step"] for r in records]
+    totals = [[sum(column) for column in zip(*r["tokens_per_expert"])] for r in records]  # per expert, all layers
+    fig, (shares, balance) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=100)
+    for expert in range(len(totals[0])):
+        shares.plot(steps, [t[expert] / max(sum(t), 1) for t in totals], label=f"expert {expert}")
+    shares.axhline(1 / len(totals[0]), color="grey", linestyle="--", linewidth=0.8)  # balanced
+    shares.set_xlabel("step")
+    shares.set_ylabel("share of routed slots")
+    shares.legend(fontsize=7, ncol=2)
+    balance.plot(steps, [r.get("balance_loss", float("nan")) for r in records], color="tab:red")
+    balance.set_xlabel("step")
+    balance.set_ylabel("balance loss (1: balanced)")
+    for ax in (shares, balance):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)

@@ -26,13 +26,21 @@ from tessera.data.instructions import InstructionData
 from tessera.data.shards import TokenShards
 from tessera.data.text import ByteTokenizer, PackedText, resolve_paths
 from tessera.memory import release_free_heap
+from tessera.models.moe import moe_layers
 from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.testbed.seat import current_seat, verify_seat
 from tessera.train import rundir
 from tessera.train.build import base_record, build_model, build_optimizer, check_base_of, tokenizer_for
 from tessera.train.config import Config, ConfigError, plan_from_config
 from tessera.train.failures import CollectiveTimeout
-from tessera.train.metrics import MetricsLog, Progress, job_peak_tflops, plot_loss, transformer_flops_per_token
+from tessera.train.metrics import (
+    MetricsLog,
+    Progress,
+    job_peak_tflops,
+    plot_experts,
+    plot_loss,
+    transformer_flops_per_token,
+)
 
 HEAP_TRIM_EVERY = 100  # steps between giving the C heap's free pages back (benchmarks/soak.py)
 
@@ -184,6 +192,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
         self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, trainable))
+        self.experts = moe_layers(model)
+        self.crowded_reports = 0  # reported steps in a row where one expert took more than moe.warn_share
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
         train_set, held_out = split_validation(dataset, cfg.data.validation, cfg.train.global_batch_size)
         self.loader = self.booster.dataloader(train_set, cfg.train.global_batch_size, seed=cfg.train.seed)
@@ -405,8 +415,30 @@ class Trainer:
             record["outer_syncs"] = syncs
         if self.job_peak:
             record["mfu"] = record["achieved_tflops"] / self.job_peak
+        if self.experts:
+            record.update(self._expert_metrics())
         log.log(record)
         progress.update(self.step, loss, tok_s, elapsed, done)
+
+    def _expert_metrics(self) -> dict[str, Any]:
+        """Each MoE layer's routed slots per expert in the last step's whole batch, the mean balance loss; a
+        warning when one expert has taken more than ``moe.warn_share`` of a layer's slots at
+        ``moe.warn_steps`` reported steps in a row."""
+        routed = [layer.routed.tolist() for layer in self.experts]
+        moe = self.cfg.model.moe
+        crowded = [(i, max(counts), sum(counts)) for i, counts in enumerate(routed) if sum(counts)]
+        worst = max(crowded, key=lambda c: c[1] / c[2], default=None)
+        if moe is not None and worst is not None and worst[1] / worst[2] > moe.warn_share:
+            self.crowded_reports += 1
+            if self.crowded_reports == moe.warn_steps:
+                layer, top, total = worst
+                print(f"warning: in MoE layer {layer} one expert took {top / total:.0%} of the routed slots "
+                      f"(> model.moe.warn_share={moe.warn_share}) at {moe.warn_steps} reported steps in a row: "
+                      "raise model.moe.aux_loss_weight or set model.moe.bias_rate", flush=True)  # fmt: skip
+        else:
+            self.crowded_reports = 0
+        losses = [float(layer.balance_loss) for layer in self.experts]
+        return {"tokens_per_expert": routed, "balance_loss": sum(losses) / len(losses)}
 
     def _new_outer_syncs(self) -> list[dict[str, Any]]:
         """Under fault-tolerant Plan.groups, each outer sync since the last record: the groups in its
@@ -440,6 +472,8 @@ class Trainer:
                 + (" (EMULATED cluster)" if self.emulation is not None else "")
             )
             plot_loss(log.path, cfg.run_dir / "loss.png", title)
+            if self.experts:
+                plot_experts(log.path, cfg.run_dir / "experts.png", title)
             if losses:
                 print(
                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {start_step + 1}-{self.step}; "

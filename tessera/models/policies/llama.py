@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from tessera.errors import PlanError
 from tessera.parallel.policy import PipelineLayout, Policy
 
 
@@ -61,6 +62,14 @@ def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     }
 
 
+def _no_experts(model: nn.Module) -> None:
+    if model.config.moe is not None and model.config.moe.experts:
+        raise PlanError(
+            "tensor parallelism (Plan.tp > 1) of a Llama with experts (LlamaConfig.moe) is not supported yet: "
+            "use tp=1 (data parallelism, ZeRO and pipeline stages take experts)."
+        )
+
+
 def _after_tp(module: nn.Module, tp: int) -> None:
     """Re-tie the output to the embedding: the tp plan gave each its own (equally sharded) copy."""
     if module.config.tie_embeddings and hasattr(module, "output") and hasattr(module, "tok_embeddings"):
@@ -92,6 +101,7 @@ LLAMA = Policy(
     ulysses=_ulysses,
     sequence_parallel_plan=_sequence_parallel_plan,
     after_tp=_after_tp,
+    tp_check=_no_experts,
     pipeline=PipelineLayout(
         layers="layers",
         first=("tok_embeddings",),

@@ -1,0 +1,192 @@
+"""A mixture-of-experts feed-forward layer for the reference Llama: token-choice top-k routing, every token
+kept (dropless), a load-balance loss or the loss-free bias, an optional shared expert.
+
+The router scores each token against every expert (softmax or sigmoid) and sends it to its ``top_k``
+best; the expert outputs are added up with the scores of the experts chosen (renormalised to sum to 1
+when ``normalize``). Experts are SwiGLU feed-forwards whose weights are stacked, expert first
+(``w1``/``w3``: experts × dim × hidden, ``w2``: experts × hidden × dim), so expert parallelism splits
+dimension 0 and a grouped matrix product can take them whole.
+
+Balancing, two ways (either or both):
+
+- ``aux_loss_weight``: the Switch/GShard loss ``E · Σ_e f_e · P_e`` (f_e: the share of routed slots that
+  went to expert e; P_e: the mean router score of e), weighted and added to the gradient through the
+  layer's output (:class:`AttachLoss`), so no caller has to collect it. Its value is kept in
+  ``balance_loss``. Over data-parallel ranks the counts are summed over ``balance_group`` (set by the
+  runtime), so the loss is the one of the whole batch a single process would see.
+- ``bias_rate``: DeepSeek-V3's loss-free balancing: a per-expert bias added to the scores for choosing
+  experts only (not to the weights), nudged after each optimizer step by ``bias_rate`` toward the
+  experts that got fewer tokens than the mean (:func:`after_step`).
+
+Example::
+
+    layer = MoE(dim=64, hidden=128, experts=8, top_k=2)
+    y = layer(torch.randn(2, 16, 64))     # same shape; layer.tokens_per_expert: the last call's counts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.errors import PlanError
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """How a Llama's feed-forward blocks become experts (``experts=0``: dense)."""
+
+    experts: int = 0
+    top_k: int = 2
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    normalize: bool = True  # the chosen experts' weights sum to 1
+    aux_loss_weight: float = 0.01
+    bias_rate: float = 0.0  # loss-free balancing: bias step per optimizer step (0: off)
+    shared_expert: bool = False
+    hidden: int | None = None  # each expert's hidden size (None: the dense ffn_dim)
+
+    def __post_init__(self) -> None:
+        if self.experts < 0:
+            raise PlanError(f"moe.experts={self.experts} must be 0 (dense) or more.")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise PlanError(
+                f"moe.top_k={self.top_k} must be between 1 and moe.experts={self.experts}: a token cannot go to "
+                "more experts than there are."
+            )
+        if self.score not in ("softmax", "sigmoid"):
+            raise PlanError(f"moe.score={self.score!r} must be 'softmax' or 'sigmoid'.")
+        if self.aux_loss_weight < 0 or self.bias_rate < 0:
+            raise PlanError("moe.aux_loss_weight and moe.bias_rate must be 0 or more.")
+
+
+class AttachLoss(torch.autograd.Function):
+    """``output`` unchanged; its backward also sends ``layer.loss_scale`` into ``loss`` (read then: the
+    multiplier the runtime gives the batch loss of that backward), so a loss computed inside a layer trains
+    without the caller adding it to theirs, in every layout."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.layer = layer
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.layer.loss_scale), None
+
+
+class MoE(nn.Module):
+    """Experts in place of one SwiGLU feed-forward: ``forward(x)`` keeps x's shape."""
+
+    def __init__(self, dim: int, hidden: int, spec: MoESpec) -> None:
+        super().__init__()
+        self.spec = spec
+        e = spec.experts
+        self.router = nn.Linear(dim, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(e, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, dim))
+        self.shared = _SwiGLU(dim, hidden) if spec.shared_expert else None
+        self.register_buffer("expert_bias", torch.zeros(e))  # saved: part of the routing
+        self.register_buffer("load", torch.zeros(e), persistent=False)  # routed slots since the last bias step
+        self.balance_group: dist.ProcessGroup | None = None  # ranks whose tokens make one batch
+        self.loss_scale = 1.0  # the runtime's multiplier of the batch loss in the coming backward
+        self.tokens_per_expert = torch.zeros(e, dtype=torch.long)  # this rank's last call
+        self.routed = torch.zeros(e)  # the whole batch's routed slots per expert, at the last optimizer step
+        self.balance_loss = torch.zeros(())  # the whole batch's balance loss, at the last training call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores, chosen, weights = self.route(tokens)
+        counts = torch.bincount(chosen.flatten(), minlength=self.spec.experts)
+        out = self.experts_forward(tokens, chosen, weights, counts)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        self.tokens_per_expert = counts.detach()
+        self.load += counts.detach().to(self.load.dtype)
+        if self.spec.aux_loss_weight and self.training and torch.is_grad_enabled():
+            loss = self.balance(scores, counts)
+            out = AttachLoss.apply(out, loss * self.spec.aux_loss_weight, self)
+        return out.reshape(x.shape)
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every expert's score of each token (tokens × experts), the ``top_k`` chosen, and their weights."""
+        logits = self.router(tokens).float()
+        scores = logits.softmax(-1) if self.spec.score == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + self.expert_bias, self.spec.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.spec.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, chosen, weights.type_as(tokens)
+
+    def experts_forward(
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token through its chosen experts, weighted and added: slots sorted by expert, one product
+        per expert over its tokens (every token kept)."""
+        k = self.spec.top_k
+        order = torch.argsort(chosen.flatten(), stable=True)
+        slot_weights = weights.flatten()[order, None]
+        owner = order // k  # the token of each sorted slot
+        out = torch.zeros_like(tokens)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                rows = owner[start : start + count]
+                y = expert_swiglu(tokens[rows], self.w1[expert], self.w3[expert], self.w2[expert])
+                out = out.index_add(0, rows, y * slot_weights[start : start + count])
+                start += count
+        return out
+
+    def balance(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """E · Σ_e f_e · P_e: 1 when balanced. f counts the routing of the whole batch (summed over
+        ``balance_group``); P is this rank's mean score, so the gradients averaged over the data ranks are the
+        whole batch's. ``balance_loss`` keeps the whole batch's value (P summed over the ranks too)."""
+        e = self.spec.experts
+        batch = torch.cat([counts.detach().float(), scores.detach().sum(0), scores.new_tensor([len(scores)])])
+        if self.balance_group is not None and dist.get_world_size(self.balance_group) > 1:
+            dist.all_reduce(batch, group=self.balance_group)
+        share = batch[:e] / batch[:e].sum()
+        self.balance_loss = e * (share * batch[e : 2 * e] / batch[-1]).sum()
+        return e * (share * scores.mean(0)).sum()
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU on its tokens (rows of x), weights stored input-first (dim × hidden)."""
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def after_step(model: nn.Module) -> None:
+    """After an optimizer step, for each layer: ``routed``, the slots each expert took in the step's whole
+    batch (counts summed over ``balance_group``); with ``bias_rate``, the loss-free bias moved that much up
+    for experts that took fewer than the mean, down for those that took more (every rank alike)."""
+    for layer in moe_layers(model):
+        load = layer.load.clone()
+        if layer.balance_group is not None and dist.get_world_size(layer.balance_group) > 1:
+            dist.all_reduce(load, group=layer.balance_group)
+        layer.routed = load.cpu()
+        if layer.spec.bias_rate:
+            layer.expert_bias += layer.spec.bias_rate * torch.sign(load.mean() - load)
+        layer.load.zero_()

@@ -1,0 +1,148 @@
+"""Mixture of experts in the reference Llama (issue 16, item 1): token-choice top-k routing with every token
+kept, the balance loss and the loss-free bias, and data-parallel, ZeRO and pipeline layouts that train
+like one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import check_cases
+from test_data_parallel_parity import PRESETS
+
+import tessera
+from tessera.errors import PlanError
+from tessera.models import Llama, LlamaConfig
+from tessera.models.moe import MoE, MoESpec, after_step
+
+
+def _layer(**spec: object) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(16, 24, MoESpec(**{"experts": 4, "top_k": 2, **spec}))
+    for p in (layer.w1, layer.w3, layer.w2):
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def _one_token_at_a_time(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output computed token by token from its definition (no sorting, no batching)."""
+    out = []
+    for token in x:
+        logits = layer.router.weight @ token
+        scores = logits.softmax(-1) if layer.spec.score == "softmax" else logits.sigmoid()
+        best = sorted(range(layer.spec.experts), key=lambda e: -float(scores[e] + layer.expert_bias[e]))
+        chosen = best[: layer.spec.top_k]
+        weights = scores[chosen] / (scores[chosen].sum() if layer.spec.normalize else 1)
+        y = sum(
+            w * (F.silu(token @ layer.w1[e]) * (token @ layer.w3[e])) @ layer.w2[e]
+            for w, e in zip(weights, chosen)
+        )  # fmt: skip
+        out.append(y + (layer.shared(token) if layer.shared is not None else 0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{}, {"score": "sigmoid"}, {"shared_expert": True, "top_k": 1}, {"normalize": False, "top_k": 3}],
+    ids=["softmax top-2", "sigmoid top-2", "top-1 with a shared expert", "top-3 not normalised"],
+)
+def test_every_token_goes_through_its_top_k_experts_weighted_by_their_scores(spec: dict) -> None:
+    layer = _layer(**spec)
+    x = torch.randn(40, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), _one_token_at_a_time(layer, x), rtol=1e-5, atol=1e-6)
+    assert int(layer.tokens_per_expert.sum()) == 40 * layer.spec.top_k  # dropless: every slot served
+
+
+def test_the_balance_loss_is_switch_s_and_trains_the_router_through_the_output() -> None:
+    layer = _layer(aux_loss_weight=0.5)
+    x = torch.randn(40, 16)
+    out = layer(x)
+    scores = (x @ layer.router.weight.T).softmax(-1)
+    chosen = torch.topk(scores, 2, dim=-1).indices
+    share = torch.bincount(chosen.flatten(), minlength=4).float() / 80
+    want = 4 * (share * scores.mean(0)).sum()
+    torch.testing.assert_close(layer.balance_loss, want.detach())
+    out.sum().backward()
+    with_loss = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    plain = _layer(aux_loss_weight=0.0)
+    (plain(x).sum() + 0.5 * 4 * (share * (x @ plain.router.weight.T).softmax(-1).mean(0)).sum()).backward()
+    torch.testing.assert_close(with_loss, plain.router.weight.grad)
+
+
+def test_the_loss_free_bias_chooses_experts_without_weighting_them_and_moves_toward_balance() -> None:
+    layer = _layer(bias_rate=0.1, aux_loss_weight=0.0)
+    x = torch.randn(40, 16)
+    layer.expert_bias[3] = 10.0  # every token now picks expert 3
+    with torch.no_grad():
+        out = layer(x)
+        torch.testing.assert_close(out, _one_token_at_a_time(layer, x), rtol=1e-5, atol=1e-6)
+    assert int(layer.tokens_per_expert[3]) == 40
+    after_step(layer)
+    assert torch.allclose(layer.expert_bias, torch.tensor([0.1, 0.1, 0.1, 9.9]))  # overloaded: down; others up
+    assert layer.routed[3] == 40 and layer.routed.sum() == 80  # the step's slots: every token's 2
+    assert not layer.load.any()  # counted afresh until the next step
+
+
+def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
+    with pytest.raises(PlanError, match="moe.top_k=5 must be between 1 and moe.experts=4"):
+        MoESpec(experts=4, top_k=5)
+    with pytest.raises(PlanError, match="moe.score='relu' must be 'softmax' or 'sigmoid'"):
+        MoESpec(experts=4, score="relu")  # type: ignore[arg-type]
+    from tessera.models.policies import policy_for
+
+    model = Llama(LlamaConfig(moe=MoESpec(experts=4)))
+    with pytest.raises(PlanError, match="tensor parallelism .* of a Llama with experts .* is not supported yet"):
+        policy_for(model).check_tp(model, 2)
+
+
+def test_experts_train_like_one_process_under_ddp_zero_and_pipeline_stages() -> None:
+    """A 2-layer Llama with 4 experts (top-2, a shared expert, balance loss 0.01) on 2 ranks: DDP, ZeRO-1/2/3,
+    uneven shares 3:1 and pp2: losses, norms, first gradients and parameters after 3 AdamW steps equal one
+    process (1e-5): the balance loss counts the routing of the whole batch (summed over the data ranks) and
+    gets the batch loss's weight."""
+    plans = {
+        **PRESETS,
+        "shares 3:1": tessera.Plan(dp_shares=(3, 1)),
+        "pp2": tessera.Plan(pp=2, pipeline={"schedule": "gpipe"}),
+    }
+    check_cases(2, [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()], 8, 3)
+
+
+def _train_moe(config: dict) -> dict:
+    import contextlib
+    import io
+
+    from test_checkpoint import train_worker
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train_worker(config)
+    return {"printed": printed.getvalue()}
+
+
+def test_tessera_train_reports_each_expert_s_tokens_and_warns_when_one_is_crowded(tmp_path: Path) -> None:
+    """`model.moe` in a training config, 2 ranks (DDP), 3 steps: metrics.jsonl holds every layer's routed
+    slots per expert for the whole batch (global batch × sequence × top_k each step) and the balance loss;
+    experts.png is drawn; with a warning share below the even share the warning comes after warn_steps."""
+    import json
+
+    from test_checkpoint import tiny_config
+
+    from tessera.testing import run_ranks
+
+    config = tiny_config(tmp_path, 3, 3, {"preset": "ddp"})
+    config["model"]["moe"] = {"experts": 4, "top_k": 2, "bias_rate": 0.01, "warn_share": 0.2, "warn_steps": 2}
+    out = run_ranks(_train_moe, 2, config)
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "tokens_per_expert" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert len(r["tokens_per_expert"]) == 2 and all(len(layer) == 4 for layer in r["tokens_per_expert"])
+        assert all(sum(layer) == 8 * 32 * 2 for layer in r["tokens_per_expert"]), r["tokens_per_expert"]
+        assert 0 < r["balance_loss"] < 4  # E · Σ f·P: 1 when even, E when one expert takes everything
+    assert (tmp_path / "t" / "experts.png").is_file()
+    assert "one expert took" in out[0]["printed"] and "model.moe.bias_rate" in out[0]["printed"]
