@@ -244,6 +244,9 @@ class Plan:
     Fields:
         dp: data-parallel size; ``None`` fills every rank left by tp × pp × sp.
         tp, pp, sp: tensor-, pipeline- and sequence-parallel sizes.
+        ep: expert-parallel size: the experts of each MoE layer split over ``ep`` neighbouring
+            data-parallel ranks (tokens go to their experts' ranks and back by all-to-all); it divides
+            dp, adds no ranks, and expert weights are averaged over the dp / ep ranks that hold the same.
         sp_mode: ``"split_gather"`` (Megatron: activations split along the sequence over the tp
             ranks outside attention and MLP; needs sp == tp and adds no ranks) or
             ``"all_to_all"`` (Ulysses: sp more ranks, each holding a slice of every sequence).
@@ -276,6 +279,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1
     sp_mode: str = "all_to_all"
     zero: int = 0
     offload: bool = False
@@ -310,6 +314,7 @@ class Plan:
         _check_int("tp", self.tp, maximum=MAX_GROUP)
         _check_int("pp", self.pp, maximum=MAX_STAGES)
         _check_int("sp", self.sp, maximum=MAX_GROUP)
+        _check_int("ep", self.ep, maximum=MAX_GROUP)
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or not 0 <= self.zero <= 3:
             raise PlanError(f"Plan.zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}.")
         if not isinstance(self.offload, bool):
@@ -381,6 +386,7 @@ class Plan:
             ("tp", self.tp, 1),
             ("pp", self.pp, 1),
             ("sp", self.sp, 1),
+            ("ep", self.ep, 1),
             ("dp_shares", self.dp_shares, None),
             ("pipeline.stages", self.pipeline.stages, None),
         ):
@@ -460,6 +466,11 @@ class Plan:
                 f"Plan.dp_shares has {len(self.dp_shares)} entries but the data-parallel size is {dp} "
                 f"({ranks} ranks / tp×pp×sp={mp}): give one share per data-parallel rank."
             )
+        if dp % self.ep:
+            raise PlanError(
+                f"Plan.ep={self.ep} must divide the data-parallel size dp={dp}: expert parallelism splits the "
+                "experts over data-parallel ranks; choose an ep that divides dp."
+            )
         self._check_rank_lists(world_size)
         resolved = dataclasses.replace(self, dp=dp)
         resolved.check_composable()
@@ -508,7 +519,7 @@ class Plan:
             raise PlanError(
                 "Plan.replicas has no device mesh: its replicas differ in depth, so ranks form no dp × pp grid."
             )
-        shape, names = [self.dp], ["dp"]
+        shape, names = ([self.dp // self.ep, self.ep], ["dp_rep", "ep"]) if self.ep > 1 else ([self.dp], ["dp"])
         if self.tp > 1:
             shape, names = [self.dp, self.tp], ["dp", "tp"]
         elif self.ulysses_size > 1:
@@ -612,6 +623,15 @@ class Plan:
             )
         if self.pp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.pp={self.pp} is not supported yet: use offload=False.")
+        if self.ep > 1:
+            other = [f"{name}={value}" for name, value, plain in (
+                ("zero", self.zero, 0), ("tp", self.tp, 1), ("pp", self.pp, 1), ("sp", self.sp, 1),
+                ("dp_shares", self.dp_shares, None), ("groups", self.groups, None)) if value != plain]  # fmt: skip
+            if other:
+                raise NotSupportedYet(
+                    f"Plan.ep={self.ep} with Plan.{', Plan.'.join(other)} is not supported yet: expert parallelism "
+                    "runs with plain data parallelism (zero=0, even shares) for now; use ep=1 for the others."
+                )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 

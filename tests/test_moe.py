@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import check_cases
+from parity import check_cases, run_shared
 from test_data_parallel_parity import PRESETS
 
 import tessera
@@ -93,23 +93,79 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
     with pytest.raises(PlanError, match="moe.score='relu' must be 'softmax' or 'sigmoid'"):
         MoESpec(experts=4, score="relu")  # type: ignore[arg-type]
     from tessera.models.policies import policy_for
+    from tessera.parallel.experts import check_expert_parallel
 
     model = Llama(LlamaConfig(moe=MoESpec(experts=4)))
+    with pytest.raises(PlanError, match="Plan.ep=3 does not divide the MoE layers' 4 experts"):
+        check_expert_parallel(3, [model.layers[0].feed_forward])
+    with pytest.raises(PlanError, match="Plan.ep=2 splits experts, but the model has no MoE layer"):
+        check_expert_parallel(2, [])
+    with pytest.raises(tessera.NotSupportedYet, match="Plan.ep=2 with Plan.zero=3 is not supported yet"):
+        tessera.Plan(ep=2, zero=3).resolve(4)
+    with pytest.raises(PlanError, match="Plan.ep=4 must divide the data-parallel size dp=2"):
+        tessera.Plan(ep=4).resolve(2)
     with pytest.raises(PlanError, match="tensor parallelism .* of a Llama with experts .* is not supported yet"):
         policy_for(model).check_tp(model, 2)
 
 
-def test_experts_train_like_one_process_under_ddp_zero_and_pipeline_stages() -> None:
+def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_path: Path) -> None:
+    import yaml
+    from test_checkpoint import tiny_config
+
+    from tessera.train.config import ConfigError
+    from tessera.train.preflight import check_training
+
+    for moe, have in ((None, "no experts"), ({"experts": 6}, "model.moe.experts=6")):
+        config = tiny_config(tmp_path / "runs", 2, 2, {"preset": "ddp", "ep": 4})
+        if moe is not None:
+            config["model"]["moe"] = moe
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+        with pytest.raises(ConfigError, match=f"plan.ep=4 splits each MoE layer's experts .* has {have}"):
+            check_training(str(tmp_path / "c.yaml"), [], 4, 1, overwrite=True)
+
+
+def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_expert_parallelism() -> None:
     """A 2-layer Llama with 4 experts (top-2, a shared expert, balance loss 0.01) on 2 ranks: DDP, ZeRO-1/2/3,
-    uneven shares 3:1 and pp2: losses, norms, first gradients and parameters after 3 AdamW steps equal one
-    process (1e-5): the balance loss counts the routing of the whole batch (summed over the data ranks) and
-    gets the batch loss's weight."""
+    uneven shares 3:1, pp2 and ep2 (each rank 2 experts, tokens exchanged by all-to-all): losses, norms,
+    first gradients and parameters after 3 AdamW steps equal one process (1e-5): the balance loss counts the
+    routing of the whole batch (summed over the data ranks) and gets the batch loss's weight. ep2 × dp2 on 4
+    ranks: test_pretrained's launch."""
     plans = {
         **PRESETS,
         "shares 3:1": tessera.Plan(dp_shares=(3, 1)),
         "pp2": tessera.Plan(pp=2, pipeline={"schedule": "gpipe"}),
+        "ep2": tessera.Plan(ep=2),
     }
     check_cases(2, [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()], 8, 3)
+
+
+def _ep2_checkpoint_into_ep1(folder: str) -> bool:
+    """Train 2 steps at ep2, checkpoint, load into a fresh model laid out without expert parallelism (DDP on the
+    same ranks): the same weights and the same Adam moments."""
+    from parity import TokenData, build_model, loss_fn
+
+    from tessera.checkpoint import load_checkpoint, save_checkpoint
+
+    def laid_out(plan: tessera.Plan, seed: int) -> tuple:
+        booster = tessera.Booster(plan)
+        model = build_model("moe_llama", seed=seed)
+        model, optimizer = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return booster, model, optimizer
+
+    booster, model, optimizer = laid_out(tessera.Plan(ep=2), 0)
+    for step, batch in enumerate(booster.dataloader(TokenData(), global_batch_size=8, seed=0)):
+        if step == 2:
+            break
+        booster.backward(loss_fn(model(batch["x"]), batch["y"]), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    path = save_checkpoint(folder, 2, model, optimizer, {"step": 2}, 1, {"run_id": "ep"})
+    again, other, other_optimizer = laid_out(tessera.Plan(), 1)
+    load_checkpoint(path, other, other_optimizer)
+    want, got = booster.full_state_dict(model), again.full_state_dict(other)
+    same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    moments = [s["exp_avg"] for s in other_optimizer.state.values()]  # type: ignore[union-attr]
+    return same and len(moments) == len(list(other.parameters())) and all(m.abs().sum() > 0 for m in moments)
 
 
 def _train_moe(config: dict) -> dict:
@@ -124,19 +180,21 @@ def _train_moe(config: dict) -> dict:
     return {"printed": printed.getvalue()}
 
 
-def test_tessera_train_reports_each_expert_s_tokens_and_warns_when_one_is_crowded(tmp_path: Path) -> None:
-    """`model.moe` in a training config, 2 ranks (DDP), 3 steps: metrics.jsonl holds every layer's routed
-    slots per expert for the whole batch (global batch × sequence × top_k each step) and the balance loss;
+def test_an_ep2_checkpoint_loads_without_ep_and_training_reports_the_experts(tmp_path: Path) -> None:
+    """One 2-rank launch. A checkpoint written at ep2 loads into DDP (ep1) with the same weights and Adam
+    moments. `model.moe` in a training config, DDP, 3 steps: metrics.jsonl holds every layer's routed slots
+    per expert for the whole batch (global batch × sequence × top_k each step) and the balance loss;
     experts.png is drawn; with a warning share below the even share the warning comes after warn_steps."""
     import json
 
     from test_checkpoint import tiny_config
 
-    from tessera.testing import run_ranks
-
     config = tiny_config(tmp_path, 3, 3, {"preset": "ddp"})
     config["model"]["moe"] = {"experts": 4, "top_k": 2, "bias_rate": 0.01, "warn_share": 0.2, "warn_steps": 2}
-    out = run_ranks(_train_moe, 2, config)
+    both = run_shared(2, {"ep2 -> ep1": (_ep2_checkpoint_into_ep1, (str(tmp_path / "ep"),)),
+                          "train": (_train_moe, (config,))})  # fmt: skip
+    assert all(both["ep2 -> ep1"]), "an ep2 checkpoint loads under DDP with the same weights and moments"
+    out = both["train"]
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_per_expert" in r]
     assert len(steps) == 3

@@ -57,7 +57,7 @@ def test_one_process_loads_the_same_logits_and_keeps_tied_weights_tied(tmp_path:
 def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path) -> None:
     """4 ranks: DDP, ZeRO-1/2/3, ZeRO-3 offloaded, dp2 × tp2 under ZeRO-3, dp2 × pp2, dp2 × Ulysses sp2,
     and replicas of depth 1 and 3; and LoRA adapters under dp × tp, dp × pp and tp × pp (against peft on one
-    process)."""
+    process), and experts under ep2 × dp2 (each expert's gradient summed over its 2 holders)."""
     kind = f"{PRETRAINED}{saved}"
     plans = {
         **PRESETS,  # DDP, ZeRO-1/2/3, ZeRO-3 offloaded
@@ -68,13 +68,15 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
             replicas=(Replica(((0, 4),)), Replica(((0, 1), (1, 2), (2, 4)))), pipeline={"microbatches": 4}
         ),
     }
-    lora = {  # LoRA adapters (test_lora) on 4 ranks, sharing this launch
-        "LoRA dp2 x tp2 zero3": tessera.Plan(tp=2, zero=3),
-        "LoRA dp2 x pp2": tessera.Plan(pp=2, pipeline={"microbatches": 2}),
-        "LoRA tp2 x pp2 zero1": tessera.Plan(tp=2, pp=2, zero=1, pipeline={"microbatches": 2}),
+    others = {  # LoRA adapters (test_lora) and experts (test_moe) on 4 ranks, sharing this launch
+        "LoRA dp2 x tp2 zero3": (tessera.Plan(tp=2, zero=3), "lora"),
+        "LoRA dp2 x pp2": (tessera.Plan(pp=2, pipeline={"microbatches": 2}), "lora"),
+        "LoRA tp2 x pp2 zero1": (tessera.Plan(tp=2, pp=2, zero=1, pipeline={"microbatches": 2}), "lora"),
+        "MoE ep2 x dp2": (tessera.Plan(ep=2), "moe_llama"),
     }
     cases = [(name, plan.to_dict(), kind, None) for name, plan in plans.items()]
-    check_cases(4, cases + [(name, plan.to_dict(), "lora", None) for name, plan in lora.items()], GLOBAL_BATCH, STEPS)
+    cases += [(name, plan.to_dict(), model, None) for name, (plan, model) in others.items()]
+    check_cases(4, cases, GLOBAL_BATCH, STEPS)
 
 
 def _rewrite(path: Path, change) -> None:

@@ -31,8 +31,10 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.errors import PlanError
 
@@ -96,6 +98,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e))  # saved: part of the routing
         self.register_buffer("load", torch.zeros(e), persistent=False)  # routed slots since the last bias step
         self.balance_group: dist.ProcessGroup | None = None  # ranks whose tokens make one batch
+        self.ep_group: dist.ProcessGroup | None = None  # expert parallelism: the ranks sharing the experts
         self.loss_scale = 1.0  # the runtime's multiplier of the batch loss in the coming backward
         self.tokens_per_expert = torch.zeros(e, dtype=torch.long)  # this rank's last call
         self.routed = torch.zeros(e)  # the whole batch's routed slots per expert, at the last optimizer step
@@ -128,21 +131,50 @@ class MoE(nn.Module):
     def experts_forward(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """Each token through its chosen experts, weighted and added: slots sorted by expert, one product
-        per expert over its tokens (every token kept)."""
-        k = self.spec.top_k
+        """Each token through its chosen experts, weighted and added: slots sorted by expert, each expert's
+        rows through it (on this rank, or on its owner under expert parallelism), every token kept."""
         order = torch.argsort(chosen.flatten(), stable=True)
-        slot_weights = weights.flatten()[order, None]
-        owner = order // k  # the token of each sorted slot
-        out = torch.zeros_like(tokens)
-        start = 0
+        owner = order // self.spec.top_k  # the token of each sorted slot
+        sent = tokens[owner]
+        if self.ep_group is None:
+            done = self.run_experts(sent, counts)
+        else:
+            done = self.exchange(sent, counts)
+        return torch.zeros_like(tokens).index_add(0, owner, done * weights.flatten()[order, None])
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows`` grouped by this rank's experts (``counts`` each, in order) through them."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        out, start = [], 0
         for expert, count in enumerate(counts.tolist()):
-            if count:
-                rows = owner[start : start + count]
-                y = expert_swiglu(tokens[rows], self.w1[expert], self.w3[expert], self.w2[expert])
-                out = out.index_add(0, rows, y * slot_weights[start : start + count])
-                start += count
-        return out
+            out.append(expert_swiglu(rows[start : start + count], w1[expert], w3[expert], w2[expert]))
+            start += count
+        return torch.cat(out)
+
+    def exchange(self, sent: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: slots sorted by expert go to the ranks owning their experts (all-to-all of the
+        counts, then of the rows, splits uneven), through the experts there, and back in the same order."""
+        group = self.ep_group
+        ep = dist.get_world_size(group)
+        mine = self.spec.experts // ep  # experts per rank: rank r owns [r·mine, (r+1)·mine)
+        from_each = torch.empty_like(counts)  # from_each[r·mine + j]: rows rank r sends to my expert j
+        dist.all_to_all_single(from_each, counts, group=group)
+        send = counts.view(ep, mine).sum(1).tolist()
+        grid = from_each.view(ep, mine)
+        recv = grid.sum(1).tolist()
+        got = funcol.wait_tensor(funcol.all_to_all_single_autograd(sent.contiguous(), recv, send, group))
+        # got: by source rank, each source's rows by expert; the experts want them by expert, then source
+        starts = torch.cumsum(grid.flatten(), 0) - grid.flatten()  # where (source, expert) begins in got
+        by_expert = torch.cat(
+            [
+                torch.arange(int(starts[r * mine + j]), int(starts[r * mine + j] + grid[r, j]))
+                for j in range(mine)
+                for r in range(ep)
+            ]  # fmt: skip
+        ).to(got.device)
+        done = self.run_experts(got[by_expert], grid.sum(0))
+        back = torch.zeros_like(got).index_copy(0, by_expert, done)
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, send, recv, group))
 
     def balance(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """E · Σ_e f_e · P_e: 1 when balanced. f counts the routing of the whole batch (summed over
@@ -166,6 +198,11 @@ class _SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (a DTensor split over the expert-parallel ranks, or whole)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ from tessera.plan import Plan
 
 class Meshes:
     """The mesh with axes ("dp",), ("dp", "tp") or ("dp", "sp"), "pp" first under pipelining, and
-    the 1-D mesh over which gradients are averaged. Created lazily: a layout that needs no mesh
+    the 1-D mesh over which gradients are averaged. With expert parallelism "dp" is split into
+    ("dp_rep", "ep") and flattened back as "dp". Created lazily: a layout that needs no mesh
     (Plan.replicas) never makes one."""
 
     def __init__(self, plan: Plan, device: torch.device) -> None:
@@ -19,19 +20,27 @@ class Meshes:
         self._mesh: DeviceMesh | None = None
         self._grad: DeviceMesh | None = None
         self._inside: dist.ProcessGroup | None = None
+        self._flat: dict[str, DeviceMesh] = {}  # axes made by flattening others (torch wants them kept here)
 
     @property
     def mesh(self) -> DeviceMesh:
         if self._mesh is None:
             shape, names = self.plan.mesh_shape()
             self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+            if self.plan.ep > 1:  # the data-parallel ranks are (replicas of an expert) × (ep): "dp" spans both
+                self._flat["dp"] = self._mesh["dp_rep", "ep"]._flatten("dp")
         return self._mesh
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of axis ``name`` (an axis of the mesh, or one flattened from several)."""
+        mesh = self.mesh
+        return self._flat[name] if name in self._flat else mesh[name]
 
     @property
     def grad(self) -> DeviceMesh:
         """``dp``, or dp × sp flattened with Ulysses (sp ranks see different tokens of the same samples)."""
         if self.plan.ulysses_size == 1:
-            return self.mesh["dp"]
+            return self.axis("dp")
         if self._grad is None:
             self._grad = self.mesh["dp", "sp"]._flatten("dp_sp")
         return self._grad
@@ -66,7 +75,7 @@ class Meshes:
         return self._inside
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        return self.mesh.get_group(axis)
+        return self.axis(axis).get_group()
 
     def grad_ranks(self) -> list[int]:
         """The global ranks of this rank's gradient group."""

@@ -12,7 +12,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.models import pretrained
+from tessera.models.moe import moe_layers
 from tessera.parallel import data_parallel
+from tessera.parallel.experts import average_expert_grads, shard_experts
 from tessera.parallel.policy import Policy
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor import apply_tensor_parallel
@@ -52,6 +54,11 @@ def parallelize(
         apply_tensor_parallel(
             module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
+    experts = moe_layers(module)
+    if plan.ep > 1:
+        assert meshes is not None
+        names = shard_experts(module, experts, meshes.axis("ep"))  # before DDP, which must not average them
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
     apply_recompute(blocks, plan.recompute)
     if source is not None and not fsdp:
@@ -63,6 +70,9 @@ def parallelize(
     if source is not None and fsdp:
         pretrained.materialize(module, home)
         pretrained.load_into(module, source)
+    if plan.ep > 1:
+        assert meshes is not None and plan.dp is not None
+        average_expert_grads(experts, meshes.group("dp_rep"), plan.dp, wrapped)
     if meshes is not None and data_parallel.uses_fsdp(plan):
         hooks.on_sharded(module, blocks, meshes.grad_ranks())
     elif meshes is not None and isinstance(wrapped, DistributedDataParallel):

@@ -121,6 +121,12 @@ def check_training(
         split_validation(shards, cfg.data.validation, cfg.train.global_batch_size)
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
+    if plan.ep > 1 and (cfg.model.moe is None or cfg.model.moe.experts % plan.ep):
+        have = "no experts (model.moe)" if cfg.model.moe is None else f"model.moe.experts={cfg.model.moe.experts}"
+        raise ConfigError(
+            f"plan.ep={plan.ep} splits each MoE layer's experts over {plan.ep} ranks, but the model has {have}: "
+            "set model.moe with a number of experts ep divides, or plan.ep: 1."
+        )
     if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
         raise ConfigError(
             f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "

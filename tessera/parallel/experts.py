@@ -1,0 +1,73 @@
+"""Apply the expert-parallel part of a Plan: each MoE layer's experts split over the ``ep`` mesh axis.
+
+The ep ranks are neighbouring data-parallel ranks: each holds ``experts / ep`` experts of every MoE layer
+(its stacked weights become DTensors split on the expert dimension, so checkpoints hold whole layers and
+load under any ep) and the tokens routed to an expert travel to its rank and back
+(:meth:`tessera.models.moe.MoE.exchange`). Gradients: an expert's gradient on its rank already sums the
+contributions of the tokens of every ep rank (the all-to-all's backward brings them), so it is summed over
+the ranks that hold the same experts (``dp / ep`` of them: the "dp_rep" axis) and divided by dp, which
+makes it the gradient of the data-parallel mean loss; every other parameter is averaged over dp as usual
+(DDP leaves the experts to this module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tessera.errors import PlanError
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # the stacked expert weights of an MoE layer, experts first
+
+
+def check_expert_parallel(ep: int, layers: Sequence[nn.Module]) -> None:
+    """Refuse an ep the model's MoE layers cannot be split by (or a model without any)."""
+    if ep == 1:
+        return
+    if not layers:
+        raise PlanError(f"Plan.ep={ep} splits experts, but the model has no MoE layer: use ep=1.")
+    for layer in layers:
+        if layer.spec.experts % ep:
+            raise PlanError(
+                f"Plan.ep={ep} does not divide the MoE layers' {layer.spec.experts} experts: choose an ep that "
+                f"divides {layer.spec.experts}."
+            )
+
+
+def shard_experts(module: nn.Module, layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> list[str]:
+    """Split each MoE layer's experts over ``ep_mesh`` (this rank keeps its share) and point the layer at the
+    ep group; return the names (in ``module``) of the expert weights, which DDP must leave alone."""
+    check_expert_parallel(ep_mesh.size(), layers)
+    ids = {}
+    for layer in layers:
+        for name in EXPERT_WEIGHTS:
+            whole = getattr(layer, name)
+            split = nn.Parameter(distribute_tensor(whole.data, ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad)
+            setattr(layer, name, split)
+            ids[id(split)] = name
+        layer.ep_group = ep_mesh.get_group()
+    return [name for name, p in module.named_parameters() if id(p) in ids]
+
+
+def average_expert_grads(layers: Sequence[nn.Module], replicas: dist.ProcessGroup, dp: int, syncing: object) -> None:
+    """Once a backward has finished accumulating an expert weight's gradient and gradients are synchronised
+    (``syncing.require_backward_grad_sync``: false inside DDP's ``no_sync``), sum it over ``replicas`` (the
+    ranks holding the same experts) and divide by ``dp``."""
+
+    @torch.no_grad()
+    def reduce(param: torch.Tensor) -> None:
+        if param.grad is None or not getattr(syncing, "require_backward_grad_sync", True):
+            return
+        local = param.grad.to_local()
+        if dist.get_world_size(replicas) > 1:
+            dist.all_reduce(local, group=replicas)
+        local.div_(dp)
+
+    for layer in layers:
+        for name in EXPERT_WEIGHTS:
+            getattr(layer, name).register_post_accumulate_grad_hook(reduce)
