@@ -624,13 +624,20 @@ class Plan:
         if self.pp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.pp={self.pp} is not supported yet: use offload=False.")
         if self.ep > 1:
-            other = [f"{name}={value}" for name, value, plain in (
-                ("zero", self.zero, 0), ("tp", self.tp, 1), ("pp", self.pp, 1), ("sp", self.sp, 1),
-                ("dp_shares", self.dp_shares, None), ("groups", self.groups, None)) if value != plain]  # fmt: skip
+            unsupported = {
+                "zero": self.zero == 1,  # ZeRO-1's optimizer shards do not take the experts' DTensors yet
+                "offload": self.offload,
+                "tp": self.tp > 1,
+                "pp": self.pp > 1,
+                "sp": self.sp > 1,
+                "dp_shares": self.dp_shares is not None,
+                "groups": self.groups is not None,
+            }
+            other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
             if other:
                 raise NotSupportedYet(
-                    f"Plan.ep={self.ep} with Plan.{', Plan.'.join(other)} is not supported yet: expert parallelism "
-                    "runs with plain data parallelism (zero=0, even shares) for now; use ep=1 for the others."
+                    f"Plan.ep={self.ep} with {', '.join(other)} is not supported yet: expert parallelism runs with "
+                    "DDP or ZeRO-2/3 (even shares, no offload) for now; use ep=1 for the others."
                 )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")

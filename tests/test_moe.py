@@ -21,7 +21,7 @@ from tessera.models.moe import MoE, MoESpec, after_step
 def _layer(**spec: object) -> MoE:
     torch.manual_seed(0)
     layer = MoE(16, 24, MoESpec(**{"experts": 4, "top_k": 2, **spec}))
-    for p in (layer.w1, layer.w3, layer.w2):
+    for p in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
         torch.nn.init.normal_(p, std=0.2)
     return layer
 
@@ -36,7 +36,7 @@ def _one_token_at_a_time(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         chosen = best[: layer.spec.top_k]
         weights = scores[chosen] / (scores[chosen].sum() if layer.spec.normalize else 1)
         y = sum(
-            w * (F.silu(token @ layer.w1[e]) * (token @ layer.w3[e])) @ layer.w2[e]
+            w * (F.silu(token @ layer.experts.w1[e]) * (token @ layer.experts.w3[e])) @ layer.experts.w2[e]
             for w, e in zip(weights, chosen)
         )  # fmt: skip
         out.append(y + (layer.shared(token) if layer.shared is not None else 0))
@@ -100,8 +100,8 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
         check_expert_parallel(3, [model.layers[0].feed_forward])
     with pytest.raises(PlanError, match="Plan.ep=2 splits experts, but the model has no MoE layer"):
         check_expert_parallel(2, [])
-    with pytest.raises(tessera.NotSupportedYet, match="Plan.ep=2 with Plan.zero=3 is not supported yet"):
-        tessera.Plan(ep=2, zero=3).resolve(4)
+    with pytest.raises(tessera.NotSupportedYet, match="Plan.ep=2 with Plan.zero=1 is not supported yet"):
+        tessera.Plan(ep=2, zero=1).resolve(4)
     with pytest.raises(PlanError, match="Plan.ep=4 must divide the data-parallel size dp=2"):
         tessera.Plan(ep=4).resolve(2)
     with pytest.raises(PlanError, match="tensor parallelism .* of a Llama with experts .* is not supported yet"):
@@ -126,15 +126,17 @@ def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_p
 
 def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_expert_parallelism() -> None:
     """A 2-layer Llama with 4 experts (top-2, a shared expert, balance loss 0.01) on 2 ranks: DDP, ZeRO-1/2/3,
-    uneven shares 3:1, pp2 and ep2 (each rank 2 experts, tokens exchanged by all-to-all): losses, norms,
+    uneven shares 3:1, pp2, ep2 (each rank 2 experts, tokens exchanged by all-to-all) and ep2 under ZeRO-3:
+    losses, norms,
     first gradients and parameters after 3 AdamW steps equal one process (1e-5): the balance loss counts the
     routing of the whole batch (summed over the data ranks) and gets the batch loss's weight. ep2 × dp2 on 4
-    ranks: test_pretrained's launch."""
+    ranks, under DDP and ZeRO-3: test_pretrained's launch."""
     plans = {
         **PRESETS,
         "shares 3:1": tessera.Plan(dp_shares=(3, 1)),
         "pp2": tessera.Plan(pp=2, pipeline={"schedule": "gpipe"}),
         "ep2": tessera.Plan(ep=2),
+        "ep2 zero3": tessera.Plan(ep=2, zero=3),
     }
     check_cases(2, [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()], 8, 3)
 

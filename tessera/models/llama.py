@@ -169,7 +169,7 @@ class Llama(nn.Module):
                 nn.init.ones_(p)
             else:
                 # Scale residual output projections by depth (GPT-2 style).
-                residual = name.endswith(("wo.weight", "w2.weight", "feed_forward.w2"))  # (the experts' w2 too)
+                residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))  # (the experts' w2 too)
                 scale = 1 / math.sqrt(2 * self.config.n_layers) if residual else 1
                 nn.init.normal_(p, mean=0.0, std=std * scale)
 

@@ -91,9 +91,7 @@ class MoE(nn.Module):
         self.spec = spec
         e = spec.experts
         self.router = nn.Linear(dim, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(e, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(e, hidden, dim))
+        self.experts = Experts(e, dim, hidden)
         self.shared = _SwiGLU(dim, hidden) if spec.shared_expert else None
         self.register_buffer("expert_bias", torch.zeros(e))  # saved: part of the routing
         self.register_buffer("load", torch.zeros(e), persistent=False)  # routed slots since the last bias step
@@ -136,20 +134,8 @@ class MoE(nn.Module):
         order = torch.argsort(chosen.flatten(), stable=True)
         owner = order // self.spec.top_k  # the token of each sorted slot
         sent = tokens[owner]
-        if self.ep_group is None:
-            done = self.run_experts(sent, counts)
-        else:
-            done = self.exchange(sent, counts)
+        done = self.experts(sent, counts) if self.ep_group is None else self.exchange(sent, counts)
         return torch.zeros_like(tokens).index_add(0, owner, done * weights.flatten()[order, None])
-
-    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``rows`` grouped by this rank's experts (``counts`` each, in order) through them."""
-        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        out, start = [], 0
-        for expert, count in enumerate(counts.tolist()):
-            out.append(expert_swiglu(rows[start : start + count], w1[expert], w3[expert], w2[expert]))
-            start += count
-        return torch.cat(out)
 
     def exchange(self, sent: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: slots sorted by expert go to the ranks owning their experts (all-to-all of the
@@ -172,7 +158,7 @@ class MoE(nn.Module):
                 for r in range(ep)
             ]  # fmt: skip
         ).to(got.device)
-        done = self.run_experts(got[by_expert], grid.sum(0))
+        done = self.experts(got[by_expert], grid.sum(0))
         back = torch.zeros_like(got).index_copy(0, by_expert, done)
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, send, recv, group))
 
@@ -187,6 +173,41 @@ class MoE(nn.Module):
         share = batch[:e] / batch[:e].sum()
         self.balance_loss = e * (share * batch[e : 2 * e] / batch[-1]).sum()
         return e * (share * scores.mean(0)).sum()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``scale`` on its way back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale if ctx.scale != 1.0 else grad, None
+
+
+class Experts(nn.Module):
+    """SwiGLU experts with stacked weights, expert first (``w1``/``w3``: experts × dim × hidden, ``w2``:
+    experts × hidden × dim). A module of their own, so expert parallelism and ZeRO can lay them out apart
+    from the rest of the layer."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.grad_scale = 1.0  # what the weights' gradients are multiplied by (expert parallelism under ZeRO)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows`` grouped by this rank's experts (``counts`` rows each, in order) through them."""
+        w1, w3, w2 = (_ScaleGrad.apply(_local(w), self.grad_scale) for w in (self.w1, self.w3, self.w2))
+        out, start = [], 0
+        for expert, count in enumerate(counts.tolist()):
+            out.append(expert_swiglu(rows[start : start + count], w1[expert], w3[expert], w2[expert]))
+            start += count
+        return torch.cat(out)
 
 
 class _SwiGLU(nn.Module):

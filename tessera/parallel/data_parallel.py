@@ -10,7 +10,7 @@ Engines (see docs/architecture.md for why):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,14 @@ def apply_data_parallel(
     device: torch.device,
     blocks: list[nn.Module] | None = None,
     across: dist.ProcessGroup | None = None,
+    own: Sequence[tuple[nn.Module, DeviceMesh]] = (),
 ) -> nn.Module:
     """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh; None under
     Plan.replicas; 2-D (group, dp) for FSDP with every-step groups); ``blocks``: its
     :func:`repeated_blocks`, when the caller has them already; ``across``: with every-step groups,
-    the group axis DDP's gradients also cross (hierarchically, :mod:`tessera.parallel.hierarchical`)."""
+    the group axis DDP's gradients also cross (hierarchically, :mod:`tessera.parallel.hierarchical`);
+    ``own``: under FSDP, ``(submodule, mesh)`` units sharded (and their gradients averaged) over a mesh of
+    their own, first (experts over the ranks that hold them)."""
     blocks = blocks if blocks is not None else repeated_blocks(model)
     dtype = DTYPES[plan.precision]
     if not uses_fsdp(plan):
@@ -101,6 +104,8 @@ def apply_data_parallel(
     reshard = plan.zero == 3
     if not plan.offload and not any(p.is_meta for p in model.parameters()):  # on meta: given memory once sharded
         model.to(device)
+    for unit, unit_mesh in own:
+        fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)

@@ -46,9 +46,9 @@ def shard_experts(module: nn.Module, layers: Sequence[nn.Module], ep_mesh: Devic
     ids = {}
     for layer in layers:
         for name in EXPERT_WEIGHTS:
-            whole = getattr(layer, name)
+            whole = getattr(layer.experts, name)
             split = nn.Parameter(distribute_tensor(whole.data, ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad)
-            setattr(layer, name, split)
+            setattr(layer.experts, name, split)
             ids[id(split)] = name
         layer.ep_group = ep_mesh.get_group()
     return [name for name, p in module.named_parameters() if id(p) in ids]
@@ -70,4 +70,4 @@ def average_expert_grads(layers: Sequence[nn.Module], replicas: dist.ProcessGrou
 
     for layer in layers:
         for name in EXPERT_WEIGHTS:
-            getattr(layer, name).register_post_accumulate_grad_hook(reduce)
+            getattr(layer.experts, name).register_post_accumulate_grad_hook(reduce)

@@ -54,23 +54,34 @@ def parallelize(
         apply_tensor_parallel(
             module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
-    experts = moe_layers(module)
+    experts, own = moe_layers(module), []
     if plan.ep > 1:
-        assert meshes is not None
-        names = shard_experts(module, experts, meshes.axis("ep"))  # before DDP, which must not average them
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+        assert meshes is not None and plan.dp is not None
+        names = shard_experts(module, experts, meshes.axis("ep"))
+        if fsdp:  # sharded and averaged over the ranks holding the same experts (dp / ep of them)
+            own = [(layer.experts, meshes.axis("dp_rep")) for layer in experts]
+            for layer in experts:  # their gradients already sum ep ranks' tokens: 1/ep makes the dp mean
+                layer.experts.grad_scale = 1 / plan.ep
+        else:  # DDP must not average them: average_expert_grads does, below
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
     apply_recompute(blocks, plan.recompute)
     if source is not None and not fsdp:
         pretrained.materialize(module, home)
         pretrained.load_into(module, source)
     wrapped = data_parallel.apply_data_parallel(
-        module, plan, meshes.sharding if meshes else None, device, blocks, across=meshes.across if meshes else None
+        module,
+        plan,
+        meshes.sharding if meshes else None,
+        device,
+        blocks,
+        across=meshes.across if meshes else None,
+        own=own,
     )
     if source is not None and fsdp:
         pretrained.materialize(module, home)
         pretrained.load_into(module, source)
-    if plan.ep > 1:
+    if plan.ep > 1 and not fsdp:
         assert meshes is not None and plan.dp is not None
         average_expert_grads(experts, meshes.group("dp_rep"), plan.dp, wrapped)
     if meshes is not None and data_parallel.uses_fsdp(plan):
