@@ -628,7 +628,6 @@ class Plan:
                 "zero": self.zero == 1,  # ZeRO-1's optimizer shards do not take the experts' DTensors yet
                 "offload": self.offload,
                 "tp": self.tp > 1,
-                "pp": self.pp > 1,
                 "sp": self.sp > 1,
                 "dp_shares": self.dp_shares is not None,
                 "groups": self.groups is not None,
@@ -637,7 +636,7 @@ class Plan:
             if other:
                 raise NotSupportedYet(
                     f"Plan.ep={self.ep} with {', '.join(other)} is not supported yet: expert parallelism runs with "
-                    "DDP or ZeRO-2/3 (even shares, no offload) for now; use ep=1 for the others."
+                    "DDP or ZeRO-2/3 and pipeline stages (even shares, no offload) for now; use ep=1 for the others."
                 )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")

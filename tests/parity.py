@@ -69,11 +69,13 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
             tie_embeddings=kind == "llama_tied",
         )
         return Llama(cfg)
-    if kind == "moe_llama":  # 4 experts, top-2, a shared expert, the balance loss on
+    if kind in ("moe_llama", "moe_llama_unbalanced"):  # 4 experts, top-2, a shared expert, the balance loss on
         from tessera.models import Llama, LlamaConfig
         from tessera.models.moe import MoESpec
 
-        moe = MoESpec(experts=4, top_k=2, shared_expert=True, aux_loss_weight=0.01)
+        # unbalanced: no balance loss, which is each micro-batch's, so layouts with several train alike too
+        aux = 0.01 if kind == "moe_llama" else 0.0
+        moe = MoESpec(experts=4, top_k=2, shared_expert=True, aux_loss_weight=aux)
         cfg = LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=32,
                           max_seq_len=SEQ, moe=moe)  # fmt: skip
         return Llama(cfg)

@@ -57,7 +57,8 @@ def test_one_process_loads_the_same_logits_and_keeps_tied_weights_tied(tmp_path:
 def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path) -> None:
     """4 ranks: DDP, ZeRO-1/2/3, ZeRO-3 offloaded, dp2 × tp2 under ZeRO-3, dp2 × pp2, dp2 × Ulysses sp2,
     and replicas of depth 1 and 3; and LoRA adapters under dp × tp, dp × pp and tp × pp (against peft on one
-    process), and experts under ep2 × dp2 with DDP and ZeRO-3 (each expert's gradient summed over its 2 holders)."""
+    process), and experts under ep2 × dp2 with DDP and ZeRO-3 (each expert's gradient summed over its 2 holders)
+    and pp2 × ep2 with 2 micro-batches (expert gradients reduced once, after the schedule)."""
     kind = f"{PRETRAINED}{saved}"
     plans = {
         **PRESETS,  # DDP, ZeRO-1/2/3, ZeRO-3 offloaded
@@ -74,6 +75,10 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
         "LoRA tp2 x pp2 zero1": (tessera.Plan(tp=2, pp=2, zero=1, pipeline={"microbatches": 2}), "lora"),
         "MoE ep2 x dp2": (tessera.Plan(ep=2), "moe_llama"),
         "MoE ep2 x dp2 zero3": (tessera.Plan(ep=2, zero=3), "moe_llama"),
+        "MoE pp2 x ep2, 2 micro-batches": (
+            tessera.Plan(pp=2, ep=2, pipeline={"microbatches": 2}),
+            "moe_llama_unbalanced",
+        ),
     }
     cases = [(name, plan.to_dict(), kind, None) for name, plan in plans.items()]
     cases += [(name, plan.to_dict(), model, None) for name, (plan, model) in others.items()]

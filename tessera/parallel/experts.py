@@ -54,19 +54,31 @@ def shard_experts(module: nn.Module, layers: Sequence[nn.Module], ep_mesh: Devic
     return [name for name, p in module.named_parameters() if id(p) in ids]
 
 
+def expert_weights(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The stacked expert weights of ``layers`` (MoE layers). (Found through the layers: a mark set on a
+    parameter would not survive ``module.to()``, which swaps a DTensor parameter's contents.)"""
+    return [getattr(layer.experts, name) for layer in layers for name in EXPERT_WEIGHTS]
+
+
+@torch.no_grad()
+def reduce_expert_grad(param: torch.Tensor, replicas: dist.ProcessGroup, dp: int) -> None:
+    """Sum an expert weight's gradient over ``replicas`` (the ranks holding the same experts), divide by ``dp``."""
+    if param.grad is None:
+        return
+    local = param.grad.to_local()
+    if dist.get_world_size(replicas) > 1:
+        dist.all_reduce(local, group=replicas)
+    local.div_(dp)
+
+
 def average_expert_grads(layers: Sequence[nn.Module], replicas: dist.ProcessGroup, dp: int, syncing: object) -> None:
     """Once a backward has finished accumulating an expert weight's gradient and gradients are synchronised
-    (``syncing.require_backward_grad_sync``: false inside DDP's ``no_sync``), sum it over ``replicas`` (the
-    ranks holding the same experts) and divide by ``dp``."""
+    (``syncing.require_backward_grad_sync``: false inside DDP's ``no_sync``), reduce it
+    (:func:`reduce_expert_grad`). Pipeline stages reduce after the schedule instead (the engine does)."""
 
-    @torch.no_grad()
     def reduce(param: torch.Tensor) -> None:
-        if param.grad is None or not getattr(syncing, "require_backward_grad_sync", True):
-            return
-        local = param.grad.to_local()
-        if dist.get_world_size(replicas) > 1:
-            dist.all_reduce(local, group=replicas)
-        local.div_(dp)
+        if getattr(syncing, "require_backward_grad_sync", True):
+            reduce_expert_grad(param, replicas, dp)
 
     for layer in layers:
         for name in EXPERT_WEIGHTS:

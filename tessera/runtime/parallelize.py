@@ -81,7 +81,7 @@ def parallelize(
     if source is not None and fsdp:
         pretrained.materialize(module, home)
         pretrained.load_into(module, source)
-    if plan.ep > 1 and not fsdp:
+    if plan.ep > 1 and not fsdp and plan.pp == 1:  # (under pp the engine reduces after the schedule)
         assert meshes is not None and plan.dp is not None
         average_expert_grads(experts, meshes.group("dp_rep"), plan.dp, wrapped)
     if meshes is not None and data_parallel.uses_fsdp(plan):

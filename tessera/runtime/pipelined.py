@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.models.moe import moe_layers
 from tessera.parallel import data_parallel
+from tessera.parallel.experts import expert_weights, reduce_expert_grad
 from tessera.parallel.pipeline import (
     PipelineModel,
     PipelineRunner,
@@ -75,11 +77,17 @@ class PipelineEngine(Engine):
         loss = run_schedule(ctx, self.runner, inputs, target, loss_fn)
         self.tied.sync()
         if not data_parallel.uses_fsdp(ctx.plan):  # FSDP reduce-scatters inside the schedule
-            params, group = list(model.parameters()), ctx.meshes.grad.get_group()
+            experts = {id(p): p for p in expert_weights(moe_layers(model))}
+            params = [p for p in model.parameters() if id(p) not in experts]
+            group = ctx.meshes.grad.get_group()
             if dist.get_world_size(group) > 1:
                 nbytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
                 ctx.hooks.before_all_reduce(dist.get_process_group_ranks(group), nbytes)
             average_gradients(params, group)
+            if ctx.plan.ep > 1:  # experts: summed over the ranks holding them, over dp
+                assert ctx.plan.dp is not None
+                for p in experts.values():
+                    reduce_expert_grad(p, ctx.meshes.group("dp_rep"), ctx.plan.dp)
         return loss
 
     def evaluate(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
