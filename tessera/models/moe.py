@@ -110,7 +110,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         self.tokens_per_expert = counts.detach()
-        self.load += counts.detach().to(self.load.dtype)
+        if self.training:  # evaluation's routing is not the step's (nor the bias's business)
+            self.load += counts.detach().to(self.load.dtype)
         if self.spec.aux_loss_weight and self.training and torch.is_grad_enabled():
             loss = self.balance(scores, counts)
             out = AttachLoss.apply(out, loss * self.spec.aux_loss_weight, self)
@@ -156,7 +157,7 @@ class MoE(nn.Module):
                 torch.arange(int(starts[r * mine + j]), int(starts[r * mine + j] + grid[r, j]))
                 for j in range(mine)
                 for r in range(ep)
-            ]  # fmt: skip
+            ]
         ).to(got.device)
         done = self.experts(got[by_expert], grid.sum(0))
         back = torch.zeros_like(got).index_copy(0, by_expert, done)
