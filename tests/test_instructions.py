@@ -135,7 +135,7 @@ LAYOUTS = {
 def _one_process(data: InstructionData) -> tuple[list[float], torch.nn.Module]:
     """Plain AdamW on one process over the sharded loader's global batches of ``data``: the mean over each
     batch's response tokens (packed sequences through their records' mask). The losses and the model."""
-    from tessera.runtime.engine import packed_inputs
+    from tessera.runtime.engine import keyword_inputs
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -143,7 +143,9 @@ def _one_process(data: InstructionData) -> tuple[list[float], torch.nn.Module]:
     losses = []
     for step in range(STEPS):
         batch = {k: torch.stack([data[int(i)][k] for i in order[step * BATCH : (step + 1) * BATCH]]) for k in data[0]}
-        inputs = packed_inputs(batch["x"], batch) if "documents" in batch else {"input_ids": batch["x"]}
+        inputs = keyword_inputs(
+            {"input_ids": batch["x"], **{k: batch[k] for k in ("position_ids", "documents") if k in batch}}
+        )
         loss = F.cross_entropy(model(**inputs).logits.flatten(0, 1), batch["y"].flatten())  # token mean
         loss.backward()
         optimizer.step()
@@ -180,7 +182,7 @@ def test_fine_tuning_averages_over_the_global_batch_s_response_tokens_in_every_l
 def test_packed_records_share_a_sequence_but_see_only_themselves(tmp_path: Path) -> None:
     """Whole records, as many as fit, in order; each token's record and position within it; through a Hugging
     Face model, each record's logits in a packed sequence equal its logits alone."""
-    from tessera.runtime.engine import packed_inputs
+    from tessera.runtime.engine import keyword_inputs
 
     path = str(_records(tmp_path / "a.jsonl"))
     alone = InstructionData([path], ByteTokenizer(), PACKED)
@@ -192,7 +194,12 @@ def test_packed_records_share_a_sequence_but_see_only_themselves(tmp_path: Path)
     records = int(item["documents"].max()) + 1
     assert records >= 2 and item["position_ids"][item["documents"] == 1][0] == 0
     with torch.no_grad():
-        logits = model(**packed_inputs(item["x"][None], {k: v[None] for k, v in item.items()})).logits[0]
+        packed = {
+            "input_ids": item["x"][None],
+            "position_ids": item["position_ids"][None],
+            "documents": item["documents"][None],
+        }
+        logits = model(**keyword_inputs(packed)).logits[0]
         for d in range(records):
             where = item["documents"] == d
             single = model(item["x"][where][None]).logits[0]

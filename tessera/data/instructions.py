@@ -134,7 +134,7 @@ class InstructionData(Dataset):
     sequence, kept apart: items also carry ``documents`` (each token's record within the sequence; -1 for
     padding) and ``position_ids`` (counted from 0 in each record), from which the runtime builds the
     attention mask that stops a token attending to another record's
-    (:func:`tessera.runtime.engine.packed_inputs`)."""
+    (:func:`tessera.runtime.engine.keyword_inputs`)."""
 
     def __init__(
         self,

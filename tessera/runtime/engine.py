@@ -202,10 +202,3 @@ def keyword_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return inputs
     rest = {k: v for k, v in inputs.items() if k != "documents"}
     return {**rest, "attention_mask": records_mask(inputs["documents"])}
-
-
-def packed_inputs(tokens: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keyword inputs of a Hugging Face model for a batch of packed records: the tokens, each record's
-    positions (``position_ids``), and a (batch, 1, seq, seq) mask letting a token attend to the earlier tokens
-    of its own record only (``documents``: each token's record in its sequence)."""
-    return keyword_inputs({"input_ids": tokens, "position_ids": batch["position_ids"], "documents": batch["documents"]})

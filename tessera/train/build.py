@@ -51,17 +51,10 @@ def check_base_of(checkpoint: Path, cfg: Config) -> None:
 
 
 def _moe_spec(moe: Any) -> Any:
+    """The model's MoESpec from the config's ``model.moe`` (its fields, less the trainer's warning ones)."""
     from tessera.models.moe import MoESpec
 
-    return MoESpec(
-        experts=moe.experts,
-        top_k=moe.top_k,
-        score=moe.score,
-        aux_loss_weight=moe.aux_loss_weight,
-        bias_rate=moe.bias_rate,
-        shared_expert=moe.shared_expert,
-        hidden=moe.hidden,
-    )
+    return MoESpec(**moe.model_dump(exclude={"warn_share", "warn_steps"}))
 
 
 def base_model(cfg: Config, weights: bool = True) -> nn.Module:

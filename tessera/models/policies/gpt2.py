@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from tessera.models.policies.hf_stage import stage_mask, stage_positions
 from tessera.parallel.conv1d import Conv1DParallel
 from tessera.parallel.policy import PipelineLayout, Policy
 
@@ -77,17 +78,10 @@ def _stage_forward(
 ) -> torch.Tensor:
     """One pipeline stage: the block loop of ``GPT2Model.forward`` (no cache; causal, or packed records'
     positions and 4D mask)."""
-    from transformers.masking_utils import create_causal_mask
-
-    from tessera.parallel import sequence
-
     inner = stage.transformer
-    if position_ids is None:
-        position_ids = sequence.position_ids(x.shape[1], stage.sp_group, x.device)  # offset under Ulysses
+    position_ids = stage_positions(stage, position_ids, x.shape[1], x.device)
     h = inner.drop(inner.wte(x) + inner.wpe(position_ids)) if hasattr(inner, "wte") else x
-    mask = create_causal_mask(  # a 4D mask comes back as it is
-        config=stage.config, inputs_embeds=h, attention_mask=attention_mask, cache=None, position_ids=position_ids
-    )
+    mask = stage_mask(stage, h, attention_mask, position_ids)
     for block in inner.h.values():
         h = block(h, None, mask, position_ids=position_ids)
     return stage.lm_head(inner.ln_f(h)) if hasattr(stage, "lm_head") else h

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tessera.errors import PlanError
+from tessera.models.policies.hf_stage import stage_mask, stage_positions
 from tessera.parallel.policy import PipelineLayout, Policy
 
 
@@ -29,17 +30,10 @@ def _stage_forward(
 ) -> torch.Tensor:
     """One pipeline stage: the decoder loop of ``LlamaModel.forward`` (no cache; causal, or packed records'
     positions and 4D mask)."""
-    from transformers.masking_utils import create_causal_mask
-
-    from tessera.parallel import sequence
-
     inner = stage.model
     h = inner.embed_tokens(x) if hasattr(inner, "embed_tokens") else x
-    if position_ids is None:
-        position_ids = sequence.position_ids(h.shape[1], stage.sp_group, h.device)  # offset under Ulysses
-    mask = create_causal_mask(  # a 4D mask comes back as it is
-        config=stage.config, inputs_embeds=h, attention_mask=attention_mask, cache=None, position_ids=position_ids
-    )
+    position_ids = stage_positions(stage, position_ids, h.shape[1], h.device)
+    mask = stage_mask(stage, h, attention_mask, position_ids)
     position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
     for layer in inner.layers.values():
         h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)

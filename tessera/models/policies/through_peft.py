@@ -70,17 +70,18 @@ def _adapted(plan: dict[str, ParallelStyle], base: nn.Module, policy: Policy) ->
     """The base model's tp plan under the peft prefix, each adapted projection split as said above."""
     from peft.tuners.lora import LoraLayer
 
-    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    modules = dict(base.named_modules())
+    adapted = {name for name, m in modules.items() if isinstance(m, LoraLayer)}
     out: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
-        mine = [name for name in adapted if fnmatch(name, pattern)]
-        if not mine:
+        matched = [name for name in modules if fnmatch(name, pattern)]
+        if adapted.isdisjoint(matched):
             out[PREFIX + pattern] = style
             continue
-        for name in mine:
-            out.update(_split_adapted(name, adapted[name], style, policy))
-        # modules matching the pattern that are not adapted keep the style
-        out.update({PREFIX + n: style for n, m in base.named_modules() if fnmatch(n, pattern) and n not in adapted})
+        for name in matched:  # adapted ones split, the others keep the style
+            out.update(
+                _split_adapted(name, modules[name], style, policy) if name in adapted else {PREFIX + name: style}
+            )
     return out
 
 
