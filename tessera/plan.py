@@ -521,7 +521,7 @@ class Plan:
             )
         shape, names = ([self.dp // self.ep, self.ep], ["dp_rep", "ep"]) if self.ep > 1 else ([self.dp], ["dp"])
         if self.tp > 1:
-            shape, names = [self.dp, self.tp], ["dp", "tp"]
+            shape, names = [*shape, self.tp], [*names, "tp"]
         elif self.ulysses_size > 1:
             shape, names = [self.dp, self.sp], ["dp", "sp"]
         if self.pp > 1:
@@ -625,9 +625,7 @@ class Plan:
             raise NotSupportedYet(f"Plan.offload with Plan.pp={self.pp} is not supported yet: use offload=False.")
         if self.ep > 1:
             unsupported = {
-                "zero": self.zero == 1,  # ZeRO-1's optimizer shards do not take the experts' DTensors yet
                 "offload": self.offload,
-                "tp": self.tp > 1,
                 "sp": self.sp > 1,
                 "dp_shares": self.dp_shares is not None,
                 "groups": self.groups is not None,
@@ -636,7 +634,8 @@ class Plan:
             if other:
                 raise NotSupportedYet(
                     f"Plan.ep={self.ep} with {', '.join(other)} is not supported yet: expert parallelism runs with "
-                    "DDP or ZeRO-2/3 and pipeline stages (even shares, no offload) for now; use ep=1 for the others."
+                    "DDP or ZeRO-1/2/3, tensor parallelism and pipeline stages (even shares, no offload) for now; "
+                    "use ep=1 for the others."
                 )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")

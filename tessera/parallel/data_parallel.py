@@ -84,7 +84,7 @@ def apply_data_parallel(
         if plan.replicas is not None:  # averaged per layer over its holders (replicas.LayerSync)
             return model
         if plan.tp > 1:
-            return _replicate(model, mesh, blocks)
+            return _replicate(model, mesh, blocks, own)
         ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -112,11 +112,16 @@ def apply_data_parallel(
     return model
 
 
-def _replicate(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module]) -> nn.Module:
+def _replicate(
+    model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module], own: Sequence[tuple[nn.Module, DeviceMesh]] = ()
+) -> nn.Module:
     """DDP for tensor-parallel (DTensor) parameters, which torch's DDP cannot hold: torch's
-    FSDP2-based ``replicate`` over the dp mesh, one unit per block so reductions overlap backward."""
+    FSDP2-based ``replicate`` over the dp mesh, one unit per block so reductions overlap backward
+    (``own`` units first, over their own meshes)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    for unit, unit_mesh in own:  # (even over one rank: the dp units below must leave them alone)
+        replicate(unit, mesh=unit_mesh)
     if mesh.size() == 1:
         return model  # nothing to synchronise
     for block in blocks:

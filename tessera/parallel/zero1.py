@@ -33,6 +33,7 @@ class _Slice:
     shard: nn.Parameter  # this rank's piece (possibly empty), stepped by the local optimizer
     start: int  # the piece is full.view(-1)[start:end]
     end: int
+    group: dist.ProcessGroup  # the ranks holding ``full`` alike, among which its pieces are spread
     owners: list[tuple[int, int, int]] = field(default_factory=list)  # (group rank, lo, hi) of every piece
 
 
@@ -40,7 +41,9 @@ class ShardedOptimizer:
     """Runs the user's optimizer class on this rank's 1/N of all parameter elements.
 
     Exposes ``param_groups``/``state`` of the local optimizer, so learning-rate
-    schedulers work unchanged.
+    schedulers work unchanged. ``holders``: for a parameter only some ranks of ``group`` hold
+    alike (an expert split over expert-parallel ranks), the group it is spread over instead;
+    each group's parameters are laid end to end on a line of their own.
     """
 
     def __init__(
@@ -49,45 +52,51 @@ class ShardedOptimizer:
         build_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
         group: dist.ProcessGroup,
         offload: bool = False,
+        holders: Callable[[nn.Parameter], dist.ProcessGroup | None] = lambda p: None,
     ) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
         self.offload = offload
         self.slices: list[_Slice] = []
-        total = sum(local(p).numel() for pg in param_groups for p in pg["params"])
-        per_rank = math.ceil(total / self.world)
-        offset = 0
+        params = [p for pg in param_groups for p in pg["params"]]
+        group_of = {id(p): holders(p) or group for p in params}
+        lines = {id(g): g for g in group_of.values()}
+        sizes = {key: sum(local(p).numel() for p in params if group_of[id(p)] is g) for key, g in lines.items()}
+        per_rank = {key: max(1, math.ceil(sizes[key] / dist.get_world_size(g))) for key, g in lines.items()}
+        offset = dict.fromkeys(lines, 0)
         local_groups = []
         for pg in param_groups:
             shards = []
             for p in pg["params"]:
-                s = self._make_slice(p, offset, per_rank, offload)
-                offset += local(p).numel()
+                g = group_of[id(p)]
+                s = self._make_slice(p, g, offset[id(g)], per_rank[id(g)], offload)
+                offset[id(g)] += local(p).numel()
                 self.slices.append(s)
                 shards.append(s.shard)
             local_groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": shards})
         self.local = build_optimizer(local_groups)
 
-    def _make_slice(self, p: nn.Parameter, offset: int, per_rank: int, offload: bool) -> _Slice:
+    def _make_slice(
+        self, p: nn.Parameter, group: dist.ProcessGroup, offset: int, per_rank: int, offload: bool
+    ) -> _Slice:
         n = local(p).numel()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         owners = []
-        for r in range(offset // per_rank, min(self.world, (offset + n - 1) // per_rank + 1) if n else 0):
+        for r in range(offset // per_rank, min(world, (offset + n - 1) // per_rank + 1) if n else 0):
             lo, hi = max(r * per_rank, offset) - offset, min((r + 1) * per_rank, offset + n) - offset
             if hi > lo:
                 owners.append((r, lo, hi))
-        start, end = next(((lo, hi) for r, lo, hi in owners if r == self.rank), (0, 0))
+        start, end = next(((lo, hi) for r, lo, hi in owners if r == rank), (0, 0))
         view = local(p).detach().view(-1)[start:end]
         data = view.to("cpu", copy=True) if offload and view.device.type != "cpu" else view
         shard = nn.Parameter(data)
-        # Layer-wise optimizers reduce norms over the dp group, and over tp when p is a tp shard.
-        tp_groups = (
+        # Layer-wise optimizers reduce norms over the holders, and over tp (or ep) when p is split there.
+        split_over = (
             [p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if pl.is_shard()]
             if isinstance(p, DTensor)
             else []
         )
-        shard._tessera_shard_groups = (self.group, *tp_groups)
-        return _Slice(full=p, shard=shard, start=start, end=end, owners=owners)
+        shard._tessera_shard_groups = (group, *split_over)
+        return _Slice(full=p, shard=shard, start=start, end=end, group=group, owners=owners)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -122,16 +131,16 @@ class ShardedOptimizer:
         """
         if self.offload:
             self._copy_back_own()
-        if self.world == 1:
-            return
         pending = [work for s in self.slices for work in self._broadcast_pieces(s, local(s.full).detach().view(-1))]
         for work in pending:
             work.wait()
 
     def _broadcast_pieces(self, s: _Slice, flat: torch.Tensor) -> list[dist.Work]:
         """Send each piece of ``flat`` (laid out like ``s.full``) from its owner to every rank, in place."""
+        if dist.get_world_size(s.group) == 1:
+            return []
         return [
-            dist.broadcast(flat[lo:hi], src=dist.get_global_rank(self.group, r), group=self.group, async_op=True)
+            dist.broadcast(flat[lo:hi], src=dist.get_global_rank(s.group, r), group=s.group, async_op=True)
             for r, lo, hi in s.owners
         ]
 

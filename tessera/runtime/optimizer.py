@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.models.moe import moe_layers
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data_parallel
+from tessera.parallel.experts import expert_weights
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.runtime.engine import Context, Engine
 
@@ -21,7 +23,12 @@ def boost_optimizer(
     groups = rebuild_optimizer(optimizer, lambda p: next((current[n] for n in names[id(p)] if n in current), None))
     build = optimizer_factory(optimizer)
     if ctx.plan.zero == 1:
-        inner = ShardedOptimizer(groups, build, engine.grad_group(), offload=ctx.plan.offload)
+        experts: set[int] = set()
+        if ctx.plan.ep > 1:  # each ep rank holds its own experts: spread over the ranks holding the same ones
+            experts = {id(p) for p in expert_weights(moe_layers(data_parallel.unwrap(wrapped)))}
+            replicas = ctx.meshes.group("dp_rep")
+        holders = (lambda p: replicas if id(p) in experts else None) if experts else (lambda p: None)
+        inner = ShardedOptimizer(groups, build, engine.grad_group(), offload=ctx.plan.offload, holders=holders)
     else:
         inner = build(groups)
     return BoostedOptimizer(inner, list(wrapped.parameters()), ctx.scaler)

@@ -55,10 +55,12 @@ def parallelize(
             module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
     experts, own = moe_layers(module), []
+    # FSDP, and torch's FSDP-based replicate that stands for DDP under tp, take the experts as units of their own
+    by_units = fsdp or (plan.tp > 1 and plan.pp == 1)
     if plan.ep > 1:
         assert meshes is not None and plan.dp is not None
         names = shard_experts(module, experts, meshes.axis("ep"))
-        if fsdp:  # sharded and averaged over the ranks holding the same experts (dp / ep of them)
+        if by_units:  # sharded (or replicated) and averaged over the ranks holding the same experts (dp / ep)
             own = [(layer.experts, meshes.axis("dp_rep")) for layer in experts]
             for layer in experts:  # their gradients already sum ep ranks' tokens: 1/ep makes the dp mean
                 layer.experts.grad_scale = 1 / plan.ep
@@ -81,7 +83,7 @@ def parallelize(
     if source is not None and fsdp:
         pretrained.materialize(module, home)
         pretrained.load_into(module, source)
-    if plan.ep > 1 and not fsdp and plan.pp == 1:  # (under pp the engine reduces after the schedule)
+    if plan.ep > 1 and not by_units and plan.pp == 1:  # (under pp the engine reduces after the schedule)
         assert meshes is not None and plan.dp is not None
         average_expert_grads(experts, meshes.group("dp_rep"), plan.dp, wrapped)
     if meshes is not None and data_parallel.uses_fsdp(plan):

@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from tessera.errors import PlanError
+from tessera.errors import NotSupportedYet
 from tessera.parallel.policy import PipelineLayout, Policy
 
 
@@ -43,6 +43,11 @@ def _stage_forward(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """Megatron split/gather: the residual stream is a local sequence shard (batch, seq/tp, dim);
     attention and the MLP all-gather it on entry, their row-parallel outputs reduce-scatter back."""
+    if model.config.moe is not None and model.config.moe.experts:
+        raise NotSupportedYet(
+            "split/gather sequence parallelism (Plan.sp_mode='split_gather') of a Llama with experts "
+            "(LlamaConfig.moe) is not supported yet: use tp without sp (the experts run on whole sequences)."
+        )
     gather = PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -62,12 +67,22 @@ def _sequence_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     }
 
 
-def _no_experts(model: nn.Module) -> None:
-    if model.config.moe is not None and model.config.moe.experts:
-        raise PlanError(
-            "tensor parallelism (Plan.tp > 1) of a Llama with experts (LlamaConfig.moe) is not supported yet: "
-            "use tp=1 (data parallelism, ZeRO and pipeline stages take experts)."
-        )
+def _tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+    """Megatron's split of attention and the feed-forward; the MoE layers' routers and experts stay whole
+    on every tp rank (the experts split over ep instead), their shared expert splits like a feed-forward."""
+    moe = model.config.moe is not None and model.config.moe.experts > 0
+    ffn = "layers.*.feed_forward.shared" if moe else "layers.*.feed_forward"
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel embedding
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(),
+        f"{ffn}.w1": ColwiseParallel(),
+        f"{ffn}.w3": ColwiseParallel(),
+        f"{ffn}.w2": RowwiseParallel(),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
 
 
 def _after_tp(module: nn.Module, tp: int) -> None:
@@ -85,23 +100,12 @@ LLAMA = Policy(
         "ffn_dim": m.config.ffn_dim,
         "vocab_size": m.config.vocab_size,
     },
-    tp_plan=lambda m: {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel embedding
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    },
+    tp_plan=_tp_plan,
     head="output",
     tied_embeddings=lambda m: m.config.tie_embeddings,
     ulysses=_ulysses,
     sequence_parallel_plan=_sequence_parallel_plan,
     after_tp=_after_tp,
-    tp_check=_no_experts,
     pipeline=PipelineLayout(
         layers="layers",
         first=("tok_embeddings",),
