@@ -91,6 +91,17 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights="gaussian")
         # (init "gaussian": B random too, so the adapters change the loss from the first step)
         return get_peft_model(base, lora)
+    if kind in ("hf_mixtral", "hf_qwen2_moe"):  # 4 experts, top-2; Qwen2-MoE: a shared expert, layer 0 dense
+        import transformers
+
+        sizes = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=SEQ, num_experts_per_tok=2)  # fmt: skip
+        if kind == "hf_mixtral":
+            config = transformers.MixtralConfig(**sizes, intermediate_size=32, num_local_experts=4)
+            return transformers.MixtralForCausalLM(config)
+        config = transformers.Qwen2MoeConfig(**sizes, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                                             shared_expert_intermediate_size=32, mlp_only_layers=[0])  # fmt: skip
+        return transformers.Qwen2MoeForCausalLM(config)
     if kind == "hf_qwen2":
         return hf.qwen2(n_layer=n_layers, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=VOCAB, seq_len=SEQ)
     raise ValueError(kind)

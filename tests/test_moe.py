@@ -119,7 +119,7 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
 
     model = Llama(LlamaConfig(moe=MoESpec(experts=4)))
     with pytest.raises(PlanError, match="Plan.ep=3 does not divide the MoE layers' 4 experts"):
-        check_expert_parallel(3, [model.layers[0].feed_forward])
+        check_expert_parallel(3, [model.layers[0].feed_forward.experts])
     with pytest.raises(PlanError, match="Plan.ep=2 splits experts, but the model has no MoE layer"):
         check_expert_parallel(2, [])
     with pytest.raises(tessera.NotSupportedYet, match="Plan.ep=2 with Plan.offload=True is not supported yet"):
@@ -133,13 +133,18 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
 def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_path: Path) -> None:
     import yaml
     from test_checkpoint import tiny_config
+    from transformers import MixtralConfig
 
     from tessera.train.config import ConfigError
     from tessera.train.preflight import check_training
 
-    for moe, have in ((None, "no experts"), ({"experts": 6}, "model.moe.experts=6")):
+    MixtralConfig(hidden_size=32, num_attention_heads=4, num_local_experts=6).save_pretrained(tmp_path / "mixtral")
+    mixtral = {"kind": "hf_config", "hf_config": str(tmp_path / "mixtral")}
+    for moe, have in ((None, "no experts"), ({"experts": 6}, "model.moe.experts=6"), (mixtral, "num_local_experts=6")):
         config = tiny_config(tmp_path / "runs", 2, 2, {"preset": "ddp", "ep": 4})
-        if moe is not None:
+        if moe is mixtral:
+            config["model"] = mixtral
+        elif moe is not None:
             config["model"]["moe"] = moe
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
         with pytest.raises(ConfigError, match=f"plan.ep=4 splits each MoE layer's experts .* has {have}"):
@@ -149,10 +154,12 @@ def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_p
 def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_expert_parallelism() -> None:
     """A 2-layer Llama with 4 experts (top-2, a shared expert, balance loss 0.01) on 2 ranks: DDP, ZeRO-1/2/3,
     uneven shares 3:1, pp2, ep2 (each rank 2 experts, tokens exchanged by all-to-all) and ep2 under ZeRO-1/3:
-    losses, norms,
-    first gradients and parameters after 3 AdamW steps equal one process (1e-5): the balance loss counts the
-    routing of the whole batch (summed over the data ranks) and gets the batch loss's weight. ep2 × dp2 on 4
-    ranks, under DDP and ZeRO-3, and tp2 × ep2: test_pretrained's launch."""
+    losses, norms, first gradients and parameters after 3 AdamW steps equal one process (1e-5): the balance
+    loss counts the routing of the whole batch (summed over the data ranks) and gets the batch loss's weight.
+    Hugging Face's Mixtral and Qwen2-MoE (a shared expert, a dense first layer), built from configs, against
+    transformers' own forward on one process: ep2 (Mixtral's experts through Tessera's dispatch), ep2 under
+    ZeRO-1 and ZeRO-3, tp2 (attention and dense MLPs split, experts whole) and pp2. ep2 × dp2 on 4 ranks, under
+    DDP and ZeRO-3, and tp2 × ep2: test_pretrained's launch."""
     plans = {
         **PRESETS,
         "shares 3:1": tessera.Plan(dp_shares=(3, 1)),
@@ -161,7 +168,17 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
         "ep2 zero1": tessera.Plan(ep=2, zero=1),
         "ep2 zero3": tessera.Plan(ep=2, zero=3),
     }
-    check_cases(2, [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()], 8, 3)
+    cases = [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()]
+    hugging_face = {
+        "Mixtral ep2": (tessera.Plan(ep=2), "hf_mixtral"),
+        "Mixtral ep2 zero3": (tessera.Plan(ep=2, zero=3), "hf_mixtral"),
+        "Mixtral tp2": (tessera.Plan(tp=2), "hf_mixtral"),
+        "Mixtral pp2": (tessera.Plan(pp=2, pipeline={"schedule": "gpipe"}), "hf_mixtral"),
+        "Qwen2-MoE ep2 zero1": (tessera.Plan(ep=2, zero=1), "hf_qwen2_moe"),
+        "Qwen2-MoE tp2": (tessera.Plan(tp=2), "hf_qwen2_moe"),
+    }
+    cases += [(name, plan.to_dict(), kind, None) for name, (plan, kind) in hugging_face.items()]
+    check_cases(2, cases, 8, 3)
 
 
 def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:

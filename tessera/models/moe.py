@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -96,7 +97,6 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e))  # saved: part of the routing
         self.register_buffer("load", torch.zeros(e), persistent=False)  # routed slots since the last bias step
         self.balance_group: dist.ProcessGroup | None = None  # ranks whose tokens make one batch
-        self.ep_group: dist.ProcessGroup | None = None  # expert parallelism: the ranks sharing the experts
         self.loss_scale = 1.0  # the runtime's multiplier of the batch loss in the coming backward
         self.tokens_per_expert = torch.zeros(e, dtype=torch.long)  # this rank's last call
         self.routed = torch.zeros(e)  # the whole batch's routed slots per expert, at the last optimizer step
@@ -130,38 +130,8 @@ class MoE(nn.Module):
     def experts_forward(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """Each token through its chosen experts, weighted and added: slots sorted by expert, each expert's
-        rows through it (on this rank, or on its owner under expert parallelism), every token kept."""
-        order = torch.argsort(chosen.flatten(), stable=True)
-        owner = order // self.spec.top_k  # the token of each sorted slot
-        sent = tokens[owner]
-        done = self.experts(sent, counts) if self.ep_group is None else self.exchange(sent, counts)
-        return torch.zeros_like(tokens).index_add(0, owner, done * weights.flatten()[order, None])
-
-    def exchange(self, sent: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: slots sorted by expert go to the ranks owning their experts (all-to-all of the
-        counts, then of the rows, splits uneven), through the experts there, and back in the same order."""
-        group = self.ep_group
-        ep = dist.get_world_size(group)
-        mine = self.spec.experts // ep  # experts per rank: rank r owns [r·mine, (r+1)·mine)
-        from_each = torch.empty_like(counts)  # from_each[r·mine + j]: rows rank r sends to my expert j
-        dist.all_to_all_single(from_each, counts, group=group)
-        send = counts.view(ep, mine).sum(1).tolist()
-        grid = from_each.view(ep, mine)
-        recv = grid.sum(1).tolist()
-        got = funcol.wait_tensor(funcol.all_to_all_single_autograd(sent.contiguous(), recv, send, group))
-        # got: by source rank, each source's rows by expert; the experts want them by expert, then source
-        starts = torch.cumsum(grid.flatten(), 0) - grid.flatten()  # where (source, expert) begins in got
-        by_expert = torch.cat(
-            [
-                torch.arange(int(starts[r * mine + j]), int(starts[r * mine + j] + grid[r, j]))
-                for j in range(mine)
-                for r in range(ep)
-            ]
-        ).to(got.device)
-        done = self.experts(got[by_expert], grid.sum(0))
-        back = torch.zeros_like(got).index_copy(0, by_expert, done)
-        return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, send, recv, group))
+        """Each token through its chosen experts, weighted and added (:func:`dispatch`)."""
+        return dispatch(tokens, chosen, weights, self.experts, self.spec.experts, self.experts.ep_group, counts)
 
     def balance(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """E · Σ_e f_e · P_e: 1 when balanced. f counts the routing of the whole batch (summed over
@@ -174,6 +144,59 @@ class MoE(nn.Module):
         share = batch[:e] / batch[:e].sum()
         self.balance_loss = e * (share * batch[e : 2 * e] / batch[-1]).sum()
         return e * (share * scores.mean(0)).sum()
+
+
+def dispatch(
+    tokens: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each token (row of ``tokens``) through its ``chosen`` experts (tokens × top_k), weighted by ``weights``
+    and added: slots sorted by expert, every expert's rows through ``experts(rows, counts)`` (on this rank, or
+    with expert parallelism over ``group`` on their owners: :func:`exchange`), every token kept."""
+    if counts is None:
+        counts = torch.bincount(chosen.flatten(), minlength=num_experts)
+    top_k = chosen.shape[-1]
+    order = torch.argsort(chosen.flatten(), stable=True)
+    owner = order // top_k  # the token of each sorted slot
+    sent = tokens[owner]
+    done = experts(sent, counts) if group is None else exchange(sent, counts, experts, num_experts, group)
+    return torch.zeros_like(tokens).index_add(0, owner, done * weights.flatten()[order, None].to(done.dtype))
+
+
+def exchange(
+    sent: torch.Tensor,
+    counts: torch.Tensor,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    num_experts: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Expert parallelism: slots sorted by expert go to the ranks owning their experts (all-to-all of the
+    counts, then of the rows, splits uneven), through the experts there, and back in the same order."""
+    ep = dist.get_world_size(group)
+    mine = num_experts // ep  # experts per rank: rank r owns [r·mine, (r+1)·mine)
+    from_each = torch.empty_like(counts)  # from_each[r·mine + j]: rows rank r sends to my expert j
+    dist.all_to_all_single(from_each, counts, group=group)
+    send = counts.view(ep, mine).sum(1).tolist()
+    grid = from_each.view(ep, mine)
+    recv = grid.sum(1).tolist()
+    got = funcol.wait_tensor(funcol.all_to_all_single_autograd(sent.contiguous(), recv, send, group))
+    # got: by source rank, each source's rows by expert; the experts want them by expert, then source
+    starts = torch.cumsum(grid.flatten(), 0) - grid.flatten()  # where (source, expert) begins in got
+    by_expert = torch.cat(
+        [
+            torch.arange(int(starts[r * mine + j]), int(starts[r * mine + j] + grid[r, j]))
+            for j in range(mine)
+            for r in range(ep)
+        ]
+    ).to(got.device)
+    done = experts(got[by_expert], grid.sum(0))
+    back = torch.zeros_like(got).index_copy(0, by_expert, done)
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, send, recv, group))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -194,8 +217,12 @@ class Experts(nn.Module):
     experts × hidden × dim). A module of their own, so expert parallelism and ZeRO can lay them out apart
     from the rest of the layer."""
 
+    stacked_weights = ("w1", "w3", "w2")  # what expert parallelism splits on dimension 0
+
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__()
+        self.num_experts = experts
+        self.ep_group: dist.ProcessGroup | None = None  # expert parallelism: the ranks sharing the experts
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
@@ -203,7 +230,7 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` grouped by this rank's experts (``counts`` rows each, in order) through them."""
-        w1, w3, w2 = (_ScaleGrad.apply(_local(w), self.grad_scale) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (scale_grad(w, self.grad_scale) for w in (self.w1, self.w3, self.w2))
         return grouped_matmul(F.silu(grouped_matmul(rows, w1, counts)) * grouped_matmul(rows, w3, counts), w2, counts)
 
 
@@ -216,6 +243,11 @@ class _SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def scale_grad(weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight`` as this rank holds it (its experts under expert parallelism), its gradient times ``scale``."""
+    return _ScaleGrad.apply(_local(weight), scale)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

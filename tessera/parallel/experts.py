@@ -1,4 +1,6 @@
-"""Apply the expert-parallel part of a Plan: each MoE layer's experts split over the ``ep`` mesh axis.
+"""Apply the expert-parallel part of a Plan: each MoE layer's experts split over the ``ep`` mesh axis
+(the reference Llama's and Hugging Face's stacked experts alike: modules with ``stacked_weights``,
+``num_experts``, ``ep_group`` and ``grad_scale``, found by :func:`tessera.models.hf_experts.expert_modules`).
 
 The ep ranks are neighbouring data-parallel ranks: each holds ``experts / ep`` experts of every MoE layer
 (its stacked weights become DTensors split on the expert dimension, so checkpoints hold whole layers and
@@ -22,42 +24,41 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tessera.errors import PlanError
 
-EXPERT_WEIGHTS = ("w1", "w3", "w2")  # the stacked expert weights of an MoE layer, experts first
 
-
-def check_expert_parallel(ep: int, layers: Sequence[nn.Module]) -> None:
-    """Refuse an ep the model's MoE layers cannot be split by (or a model without any)."""
+def check_expert_parallel(ep: int, experts: Sequence[nn.Module]) -> None:
+    """Refuse an ep the model's experts cannot be split by (or a model without any)."""
     if ep == 1:
         return
-    if not layers:
+    if not experts:
         raise PlanError(f"Plan.ep={ep} splits experts, but the model has no MoE layer: use ep=1.")
-    for layer in layers:
-        if layer.spec.experts % ep:
+    for module in experts:
+        if module.num_experts % ep:
             raise PlanError(
-                f"Plan.ep={ep} does not divide the MoE layers' {layer.spec.experts} experts: choose an ep that "
-                f"divides {layer.spec.experts}."
+                f"Plan.ep={ep} does not divide the MoE layers' {module.num_experts} experts: choose an ep that "
+                f"divides {module.num_experts}."
             )
 
 
-def shard_experts(module: nn.Module, layers: Sequence[nn.Module], ep_mesh: DeviceMesh) -> list[str]:
-    """Split each MoE layer's experts over ``ep_mesh`` (this rank keeps its share) and point the layer at the
-    ep group; return the names (in ``module``) of the expert weights, which DDP must leave alone."""
-    check_expert_parallel(ep_mesh.size(), layers)
+def shard_experts(module: nn.Module, experts: Sequence[nn.Module], ep_mesh: DeviceMesh) -> list[str]:
+    """Split each of ``experts`` (modules of ``module``) over ``ep_mesh`` (this rank keeps its share) and
+    point them at the ep group; return the names (in ``module``) of the expert weights, which DDP must
+    leave alone."""
+    check_expert_parallel(ep_mesh.size(), experts)
     ids = {}
-    for layer in layers:
-        for name in EXPERT_WEIGHTS:
-            whole = getattr(layer.experts, name)
+    for unit in experts:
+        for name in unit.stacked_weights:
+            whole = getattr(unit, name)
             split = nn.Parameter(distribute_tensor(whole.data, ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad)
-            setattr(layer.experts, name, split)
+            setattr(unit, name, split)
             ids[id(split)] = name
-        layer.ep_group = ep_mesh.get_group()
+        unit.ep_group = ep_mesh.get_group()
     return [name for name, p in module.named_parameters() if id(p) in ids]
 
 
-def expert_weights(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """The stacked expert weights of ``layers`` (MoE layers). (Found through the layers: a mark set on a
-    parameter would not survive ``module.to()``, which swaps a DTensor parameter's contents.)"""
-    return [getattr(layer.experts, name) for layer in layers for name in EXPERT_WEIGHTS]
+def expert_weights(experts: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The stacked weights of ``experts`` (modules with ``stacked_weights``). (Found through the modules: a mark
+    set on a parameter would not survive ``module.to()``, which swaps a DTensor parameter's contents.)"""
+    return [getattr(unit, name) for unit in experts for name in unit.stacked_weights]
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def reduce_expert_grad(param: torch.Tensor, replicas: dist.ProcessGroup, dp: int
     local.div_(dp)
 
 
-def average_expert_grads(layers: Sequence[nn.Module], replicas: dist.ProcessGroup, dp: int, syncing: object) -> None:
+def average_expert_grads(experts: Sequence[nn.Module], replicas: dist.ProcessGroup, dp: int, syncing: object) -> None:
     """Once a backward has finished accumulating an expert weight's gradient and gradients are synchronised
     (``syncing.require_backward_grad_sync``: false inside DDP's ``no_sync``), reduce it
     (:func:`reduce_expert_grad`). Pipeline stages reduce after the schedule instead (the engine does)."""
@@ -80,6 +81,5 @@ def average_expert_grads(layers: Sequence[nn.Module], replicas: dist.ProcessGrou
         if getattr(syncing, "require_backward_grad_sync", True):
             reduce_expert_grad(param, replicas, dp)
 
-    for layer in layers:
-        for name in EXPERT_WEIGHTS:
-            getattr(layer.experts, name).register_post_accumulate_grad_hook(reduce)
+    for weight in expert_weights(experts):
+        weight.register_post_accumulate_grad_hook(reduce)

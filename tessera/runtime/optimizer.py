@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.models.moe import moe_layers
+from tessera.models.hf_experts import expert_modules
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data_parallel
 from tessera.parallel.experts import expert_weights
@@ -25,7 +25,7 @@ def boost_optimizer(
     if ctx.plan.zero == 1:
         experts: set[int] = set()
         if ctx.plan.ep > 1:  # each ep rank holds its own experts: spread over the ranks holding the same ones
-            experts = {id(p) for p in expert_weights(moe_layers(data_parallel.unwrap(wrapped)))}
+            experts = {id(p) for p in expert_weights(expert_modules(data_parallel.unwrap(wrapped)))}
             replicas = ctx.meshes.group("dp_rep")
         holders = (lambda p: replicas if id(p) in experts else None) if experts else (lambda p: None)
         inner = ShardedOptimizer(groups, build, engine.grad_group(), offload=ctx.plan.offload, holders=holders)

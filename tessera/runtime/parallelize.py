@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.models import pretrained
-from tessera.models.moe import moe_layers
+from tessera.models.hf_experts import expert_modules
 from tessera.parallel import data_parallel
 from tessera.parallel.experts import average_expert_grads, shard_experts
 from tessera.parallel.policy import Policy
@@ -54,16 +54,16 @@ def parallelize(
         apply_tensor_parallel(
             module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
-    experts, own = moe_layers(module), []
+    experts, own = expert_modules(module), []
     # FSDP, and torch's FSDP-based replicate that stands for DDP under tp, take the experts as units of their own
     by_units = fsdp or (plan.tp > 1 and plan.pp == 1)
     if plan.ep > 1:
         assert meshes is not None and plan.dp is not None
         names = shard_experts(module, experts, meshes.axis("ep"))
         if by_units:  # sharded (or replicated) and averaged over the ranks holding the same experts (dp / ep)
-            own = [(layer.experts, meshes.axis("dp_rep")) for layer in experts]
-            for layer in experts:  # their gradients already sum ep ranks' tokens: 1/ep makes the dp mean
-                layer.experts.grad_scale = 1 / plan.ep
+            own = [(unit, meshes.axis("dp_rep")) for unit in experts]
+            for unit in experts:  # their gradients already sum ep ranks' tokens: 1/ep makes the dp mean
+                unit.grad_scale = 1 / plan.ep
         else:  # DDP must not average them: average_expert_grads does, below
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once

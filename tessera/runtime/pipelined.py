@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.models.moe import moe_layers
+from tessera.models.hf_experts import expert_modules
 from tessera.parallel import data_parallel
 from tessera.parallel.experts import expert_weights, reduce_expert_grad
 from tessera.parallel.pipeline import (
@@ -77,7 +77,7 @@ class PipelineEngine(Engine):
         loss = run_schedule(ctx, self.runner, inputs, target, loss_fn)
         self.tied.sync()
         if not data_parallel.uses_fsdp(ctx.plan):  # FSDP reduce-scatters inside the schedule
-            experts = {id(p): p for p in expert_weights(moe_layers(model))}
+            experts = {id(p): p for p in expert_weights(expert_modules(model))}
             params = [p for p in model.parameters() if id(p) not in experts]
             group = ctx.meshes.grad.get_group()
             if dist.get_world_size(group) > 1:

@@ -9,8 +9,10 @@ directory's owner, and the cluster file of ``--emulate``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from tessera.data.sharding import split_batch
 from tessera.errors import PlanError
@@ -121,11 +123,11 @@ def check_training(
         split_validation(shards, cfg.data.validation, cfg.train.global_batch_size)
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
-    if plan.ep > 1 and (cfg.model.moe is None or cfg.model.moe.experts % plan.ep):
-        have = "no experts (model.moe)" if cfg.model.moe is None else f"model.moe.experts={cfg.model.moe.experts}"
+    experts, have = _experts_of(cfg.model)
+    if plan.ep > 1 and (not experts or experts % plan.ep):
         raise ConfigError(
             f"plan.ep={plan.ep} splits each MoE layer's experts over {plan.ep} ranks, but the model has {have}: "
-            "set model.moe with a number of experts ep divides, or plan.ep: 1."
+            "set model.moe (or use a Hugging Face MoE config) with a number of experts ep divides, or plan.ep: 1."
         )
     if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
         raise ConfigError(
@@ -153,3 +155,21 @@ def check_training(
         if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
             check_base_of(latest, cfg)  # LoRA adapters alone: the base they were trained on
     return cfg
+
+
+def _experts_of(model: Any) -> tuple[int, str]:
+    """The experts per MoE layer the model config asks for (0: dense), and how to name that in an error:
+    ``model.moe`` for the reference Llama, ``num_local_experts`` / ``num_experts`` of a Hugging Face config."""
+    if model.moe is not None:
+        return model.moe.experts, f"model.moe.experts={model.moe.experts}"
+    path = model.hf_config or model.pretrained
+    if path is not None:
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, ValueError):
+            config = {}  # an unreadable config is the model builder's to name
+        for key in ("num_local_experts", "num_experts"):
+            if config.get(key):
+                return int(config[key]), f"{key}={config[key]} in {file}"
+    return 0, "no experts (model.moe)"

@@ -13,11 +13,12 @@ from torch import nn
 from tessera.errors import PlanError
 from tessera.models.policies.gpt2 import GPT2
 from tessera.models.policies.hf_llama import HF_LLAMA
+from tessera.models.policies.hf_moe import HF_MOE
 from tessera.models.policies.llama import LLAMA
 from tessera.models.policies.through_peft import peft_base, through_peft
 from tessera.parallel.policy import Policy
 
-POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA, GPT2)
+POLICIES: tuple[Policy, ...] = (LLAMA, HF_LLAMA, HF_MOE, GPT2)
 
 
 def find_policy(model: nn.Module) -> Policy | None:
