@@ -36,6 +36,7 @@ from tessera.models.moe import after_step, moe_layers
 from tessera.models.policies import find_policy, missing_policy
 from tessera.optim.wrapper import BoostedOptimizer
 from tessera.parallel import data_parallel, fault_tolerant
+from tessera.parallel.experts import uneven_expert_groups
 from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.outer import Across, OuterSync
 from tessera.parallel.tensor import align_grad_placements
@@ -293,7 +294,8 @@ class Booster:
         if self.scaler is not None and self.scaler.unscale_(params):
             return torch.tensor(float("inf"))  # overflow: the step will be skipped anyway
         across, uncounted = self.engine.norm_groups()
-        return clip_grads_(params, max_norm, norm_type, across=across, uncounted=set(uncounted))
+        split = uneven_expert_groups(model)
+        return clip_grads_(params, max_norm, norm_type, across=across, uncounted=set(uncounted), split=split)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (gradient accumulation); sync on the next backward outside it."""

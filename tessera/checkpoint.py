@@ -66,6 +66,7 @@ from tessera.checkpoint_readers import (
 )
 from tessera.data.sharding import map_tensors
 from tessera.errors import RuntimeFault
+from tessera.parallel.experts import held_optimizer_state, uneven_expert_names, whole_optimizer_state
 from tessera.parallel.outer import MeshAcross
 from tessera.parallel.zero1 import ShardedOptimizer
 
@@ -122,6 +123,7 @@ def _state_dicts(
         optim = inner.full_state_dict(_param_names(model))
     else:
         optim = get_optimizer_state_dict(model, inner)
+    whole_optimizer_state(optim, uneven_expert_names(model, _param_names(model)))  # (the model's: its state dict)
     state = {"model": get_model_state_dict(model, options=_model_options(frozen)), "optim": optim}
     if (outer := _outer(optimizer)) is not None:
         state["outer"] = outer.state_dict() if outer_keys is None else outer.state_template(outer_keys)
@@ -361,6 +363,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
         ) from None
     state = _from_storable(state, layout)
     _own_param_names(state["optim"], layout["optim"])
+    held_optimizer_state(state["optim"], uneven_expert_names(model, _param_names(model)))
     set_model_state_dict(model, state["model"], options=_model_options(frozen))
     inner = _inner(optimizer)
     if isinstance(inner, ShardedOptimizer):

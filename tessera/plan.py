@@ -247,6 +247,9 @@ class Plan:
         ep: expert-parallel size: the experts of each MoE layer split over ``ep`` neighbouring
             data-parallel ranks (tokens go to their experts' ranks and back by all-to-all); it divides
             dp, adds no ranks, and expert weights are averaged over the dp / ep ranks that hold the same.
+        expert_shares: with ep, how many experts of each MoE layer each ep rank holds (in ep order;
+            they sum to the layer's experts), e.g. ``(3, 3, 1, 1)`` for 8 experts on ranks of speed
+            1, 1, ½, ½; ``None``: experts / ep each.
         sp_mode: ``"split_gather"`` (Megatron: activations split along the sequence over the tp
             ranks outside attention and MLP; needs sp == tp and adds no ranks) or
             ``"all_to_all"`` (Ulysses: sp more ranks, each holding a slice of every sequence).
@@ -285,6 +288,7 @@ class Plan:
     offload: bool = False
     precision: str = "fp32"
     dp_shares: tuple[int, ...] | None = None
+    expert_shares: tuple[int, ...] | None = None
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     recompute: str = "none"
     loss_parallel: bool = False
@@ -296,6 +300,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dp_shares", as_tuple(self.dp_shares))
+        object.__setattr__(self, "expert_shares", as_tuple(self.expert_shares))
         object.__setattr__(self, "rank_devices", as_tuple(self.rank_devices))
         object.__setattr__(self, "placement", as_tuple(self.placement))
         if isinstance(self.pipeline, dict):
@@ -345,6 +350,8 @@ class Plan:
                     f"Plan.dp_shares has {len(self.dp_shares)} entries but Plan.dp={self.dp}: "
                     "give one share per data-parallel rank."
                 )
+        if self.expert_shares is not None:
+            self._check_expert_shares()
         if self.placement is not None and (
             not isinstance(self.placement, tuple)
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.placement)
@@ -379,6 +386,23 @@ class Plan:
                 "Plan.offload=True needs a ZeRO stage (Plan.zero=1, 2 or 3): DDP keeps everything on the device."
             )
 
+    def _check_expert_shares(self) -> None:
+        """One positive count per ep rank (their sum is checked against the model's experts when it is laid out)."""
+        shares = self.expert_shares
+        if not isinstance(shares, tuple) or not shares:
+            raise PlanError(f"Plan.expert_shares must be a list of positive integers, got {shares!r}.")
+        for i, share in enumerate(shares):
+            if isinstance(share, bool) or not isinstance(share, int) or not 0 < share <= MAX_COUNT:
+                raise PlanError(
+                    f"Plan.expert_shares[{i}]={share!r}: every ep rank holds a positive number of experts "
+                    f"(at most {MAX_COUNT})."
+                )
+        if len(shares) != self.ep:
+            raise PlanError(
+                f"Plan.expert_shares has {len(shares)} entries but Plan.ep={self.ep}: give the number of experts "
+                "each expert-parallel rank holds, one entry per ep rank."
+            )
+
     def _check_replicas(self) -> None:
         """Replicas of different depth replace dp × pp: the fields that describe a grid must stay unset."""
         assert self.replicas is not None
@@ -388,6 +412,7 @@ class Plan:
             ("sp", self.sp, 1),
             ("ep", self.ep, 1),
             ("dp_shares", self.dp_shares, None),
+            ("expert_shares", self.expert_shares, None),
             ("pipeline.stages", self.pipeline.stages, None),
         ):
             if value != unset:
@@ -627,16 +652,20 @@ class Plan:
             unsupported = {
                 "offload": self.offload,
                 "sp": self.sp > 1,
-                "dp_shares": self.dp_shares is not None,
                 "groups": self.groups is not None,
             }
             other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
             if other:
                 raise NotSupportedYet(
                     f"Plan.ep={self.ep} with {', '.join(other)} is not supported yet: expert parallelism runs with "
-                    "DDP or ZeRO-1/2/3, tensor parallelism and pipeline stages (even shares, no offload) for now; "
+                    "DDP or ZeRO-1/2/3, tensor parallelism and pipeline stages (no offload) for now; "
                     "use ep=1 for the others."
                 )
+        if self.expert_shares is not None and self.zero >= 2:
+            raise NotSupportedYet(
+                f"Plan.expert_shares with Plan.zero={self.zero} is not supported yet: uneven experts per rank run "
+                "with DDP or ZeRO-1 for now; use zero 0 or 1, or even experts (no expert_shares)."
+            )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 

@@ -211,14 +211,18 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     from tessera.parallel.data_parallel import unwrap
+    from tessera.parallel.experts import uneven_expert_names, whole_experts
 
     out = {}
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    uneven = uneven_expert_names(unwrap(model), names)  # Plan.expert_shares: each rank's experts, gathered
     for name, p in unwrap(model).named_parameters(remove_duplicate=False):  # tied weights under every name
         if not p.requires_grad:  # frozen (LoRA's base weights): no gradient anywhere
             assert p.grad is None, f"{name} is frozen but has a gradient"
             continue
         g = p.grad
-        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+        g = whole_experts(g, uneven[name]) if name in uneven else g.full_tensor() if isinstance(g, DTensor) else g
+        out[name] = g.detach().cpu().clone()
     group = booster.stage_group
     if group is not None:
         parts = [{} for _ in range(dist.get_world_size(group))]

@@ -122,6 +122,14 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
         check_expert_parallel(3, [model.layers[0].feed_forward.experts])
     with pytest.raises(PlanError, match="Plan.ep=2 splits experts, but the model has no MoE layer"):
         check_expert_parallel(2, [])
+    with pytest.raises(PlanError, match=r"Plan.expert_shares=\[3, 2\] sum to 5, but the MoE layers have 4 experts"):
+        check_expert_parallel(2, [model.layers[0].feed_forward.experts], (3, 2))
+    with pytest.raises(PlanError, match="Plan.expert_shares has 3 entries but Plan.ep=2"):
+        tessera.Plan(ep=2, expert_shares=(1, 2, 1))
+    with pytest.raises(PlanError, match=r"Plan.expert_shares\[1\]=0: every ep rank holds a positive number"):
+        tessera.Plan(ep=2, expert_shares=(4, 0))
+    with pytest.raises(tessera.NotSupportedYet, match="Plan.expert_shares with Plan.zero=3 is not supported yet"):
+        tessera.Plan(ep=2, expert_shares=(3, 1), zero=3).resolve(2)
     with pytest.raises(tessera.NotSupportedYet, match="Plan.ep=2 with Plan.offload=True is not supported yet"):
         tessera.Plan(ep=2, zero=3, offload=True).resolve(4)
     with pytest.raises(PlanError, match="Plan.ep=4 must divide the data-parallel size dp=2"):
@@ -149,16 +157,23 @@ def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_p
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
         with pytest.raises(ConfigError, match=f"plan.ep=4 splits each MoE layer's experts .* has {have}"):
             check_training(str(tmp_path / "c.yaml"), [], 4, 1, overwrite=True)
+    config = tiny_config(tmp_path / "runs", 2, 2, {"preset": "ddp", "ep": 2, "expert_shares": [3, 2]})
+    config["model"]["moe"] = {"experts": 4}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"plan.expert_shares=\[3, 2\] sum to 5, but .* model.moe.experts=4"):
+        check_training(str(tmp_path / "c.yaml"), [], 2, 1, overwrite=True)
 
 
 def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_expert_parallelism() -> None:
     """A 2-layer Llama with 4 experts (top-2, a shared expert, balance loss 0.01) on 2 ranks: DDP, ZeRO-1/2/3,
-    uneven shares 3:1, pp2, ep2 (each rank 2 experts, tokens exchanged by all-to-all) and ep2 under ZeRO-1/3:
+    uneven shares 3:1, pp2, ep2 (each rank 2 experts, tokens exchanged by all-to-all), ep2 under ZeRO-1/3, and
+    ep2 with samples 3:1 and experts 3:1 (the first rank takes 3/4 of the batch and holds 3 of the 4 experts):
     losses, norms, first gradients and parameters after 3 AdamW steps equal one process (1e-5): the balance
     loss counts the routing of the whole batch (summed over the data ranks) and gets the batch loss's weight.
     Hugging Face's Mixtral and Qwen2-MoE (a shared expert, a dense first layer), built from configs, against
     transformers' own forward on one process: ep2 (Mixtral's experts through Tessera's dispatch), ep2 under
-    ZeRO-1 and ZeRO-3, tp2 (attention and dense MLPs split, experts whole) and pp2. ep2 × dp2 on 4 ranks, under
+    ZeRO-1 and ZeRO-3, tp2 (attention and dense MLPs split, experts whole), pp2, and Mixtral ep2 with experts
+    1:3 under ZeRO-1. ep2 × dp2 on 4 ranks, under
     DDP and ZeRO-3, and tp2 × ep2: test_pretrained's launch."""
     plans = {
         **PRESETS,
@@ -167,6 +182,7 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
         "ep2": tessera.Plan(ep=2),
         "ep2 zero1": tessera.Plan(ep=2, zero=1),
         "ep2 zero3": tessera.Plan(ep=2, zero=3),
+        "ep2, samples 3:1, experts 3:1": tessera.Plan(ep=2, dp_shares=(3, 1), expert_shares=(3, 1)),
     }
     cases = [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()]
     hugging_face = {
@@ -176,6 +192,7 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
         "Mixtral pp2": (tessera.Plan(pp=2, pipeline={"schedule": "gpipe"}), "hf_mixtral"),
         "Qwen2-MoE ep2 zero1": (tessera.Plan(ep=2, zero=1), "hf_qwen2_moe"),
         "Qwen2-MoE tp2": (tessera.Plan(tp=2), "hf_qwen2_moe"),
+        "Mixtral ep2, experts 1:3, zero1": (tessera.Plan(ep=2, expert_shares=(1, 3), zero=1), "hf_mixtral"),
     }
     cases += [(name, plan.to_dict(), kind, None) for name, (plan, kind) in hugging_face.items()]
     check_cases(2, cases, 8, 3)
@@ -183,9 +200,11 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
 
 def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
     """Train 2 steps at ep2 (× dp_rep 2), checkpoint, take a third step; load the checkpoint into fresh models
-    laid out without expert parallelism (DDP) and at ep4 under ZeRO-1 (optimizer state spread over the ranks
-    holding the same experts) on the same ranks: for each, the same weights, and after the same third step
-    (which reads the Adam moments) the same weights as the ep2 run's (1e-5)."""
+    laid out without expert parallelism (DDP), at ep4 under ZeRO-1 (optimizer state spread over the ranks
+    holding the same experts) and at ep2 with uneven experts 1:3 under ZeRO-1, on the same ranks: for each, the
+    same weights, and after the same third step (which reads the Adam moments) the same weights as the ep2
+    run's (1e-5). Then the uneven run's own checkpoint (its experts gathered whole) loads into DDP: the same
+    weights, and the same weights again after a fourth step on both."""
     from parity import TokenData, build_model, loss_fn
 
     from tessera.checkpoint import load_checkpoint, save_checkpoint
@@ -203,6 +222,9 @@ def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
                 optimizer.step()
                 optimizer.zero_grad()
 
+    def close(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5) for k in a)
+
     booster, model, optimizer = laid_out(tessera.Plan(ep=2), 0)
     train(booster, model, optimizer, 0, 2)
     path = save_checkpoint(folder, 2, model, optimizer, {"step": 2}, 1, {"run_id": "ep"})
@@ -210,15 +232,19 @@ def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
     train(booster, model, optimizer, 2, 3)
     want = booster.full_state_dict(model)
     loaded = []
-    for plan in (tessera.Plan(), tessera.Plan(ep=4, zero=1)):
+    for plan in (tessera.Plan(), tessera.Plan(ep=4, zero=1), tessera.Plan(ep=2, expert_shares=(1, 3), zero=1)):
         again, other, other_optimizer = laid_out(plan, 1)
         load_checkpoint(path, other, other_optimizer)
-        got = again.full_state_dict(other)
-        same = saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
+        same = close(saved, again.full_state_dict(other))
         train(again, other, other_optimizer, 2, 3)
-        got = again.full_state_dict(other)
-        loaded.append(same and all(torch.allclose(want[k], got[k], rtol=1e-5, atol=1e-5) for k in want))
-    return loaded
+        loaded.append(same and close(want, again.full_state_dict(other)))
+    path = save_checkpoint(folder, 3, other, other_optimizer, {"step": 3}, 1, {"run_id": "ep"})  # uneven experts
+    last, plain, plain_optimizer = laid_out(tessera.Plan(), 2)
+    load_checkpoint(path, plain, plain_optimizer)
+    same = close(again.full_state_dict(other), last.full_state_dict(plain))
+    train(again, other, other_optimizer, 3, 4)
+    train(last, plain, plain_optimizer, 3, 4)
+    return [*loaded, same and close(again.full_state_dict(other), last.full_state_dict(plain))]
 
 
 def _train_moe(config: dict) -> dict:
@@ -245,10 +271,10 @@ def test_an_ep2_checkpoint_loads_at_ep1_and_ep4_and_training_reports_the_experts
 
     config = tiny_config(tmp_path, 3, 3, {"preset": "ddp"})
     config["model"]["moe"] = {"experts": 4, "top_k": 2, "bias_rate": 0.01, "warn_share": 0.2, "warn_steps": 2}
-    both = run_shared(4, {"ep2 -> ep1, ep4": (_ep2_checkpoint_read_at_ep1_and_ep4, (str(tmp_path / "ep"),)),
+    both = run_shared(4, {"ep2 -> ep1, ep4, uneven": (_ep2_checkpoint_read_at_ep1_and_ep4, (str(tmp_path / "ep"),)),
                           "train": (_train_moe, (config,))})  # fmt: skip
-    for rank in both["ep2 -> ep1, ep4"]:
-        assert rank == [True, True], "an ep2 checkpoint loads under DDP and at ep4 with the same weights and moments"
+    for rank in both["ep2 -> ep1, ep4, uneven"]:
+        assert rank == [True] * 4, "ep2 checkpoints load under DDP, at ep4 and with uneven experts, and back"
     out = both["train"]
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_per_expert" in r]

@@ -58,8 +58,8 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
     """4 ranks: DDP, ZeRO-1/2/3, ZeRO-3 offloaded, dp2 × tp2 under ZeRO-3, dp2 × pp2, dp2 × Ulysses sp2,
     and replicas of depth 1 and 3; and LoRA adapters under dp × tp, dp × pp and tp × pp (against peft on one
     process), and experts under ep2 × dp2 with DDP and ZeRO-3 (each expert's gradient summed over its 2 holders)
-    and pp2 × ep2 with 2 micro-batches (expert gradients reduced once, after the schedule), and tp2 × ep2
-    (attention split over tp, the experts over ep, whole on both ranks of a tp pair)."""
+    and pp2 × ep2 with 2 micro-batches (expert gradients reduced once, after the schedule), even and with
+    experts 1:3, and tp2 × ep2 (attention split over tp, the experts over ep, whole on both ranks of a tp pair)."""
     kind = f"{PRETRAINED}{saved}"
     plans = {
         **PRESETS,  # DDP, ZeRO-1/2/3, ZeRO-3 offloaded
@@ -77,6 +77,10 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
         "MoE ep2 x dp2": (tessera.Plan(ep=2), "moe_llama"),
         "MoE ep2 x dp2 zero3": (tessera.Plan(ep=2, zero=3), "moe_llama"),
         "MoE tp2 x ep2": (tessera.Plan(tp=2, ep=2), "moe_llama"),  # attention split, experts split over ep
+        "MoE pp2 x ep2, experts 1:3": (
+            tessera.Plan(pp=2, ep=2, expert_shares=(1, 3), pipeline={"microbatches": 2}),
+            "moe_llama_unbalanced",
+        ),
         "MoE pp2 x ep2, 2 micro-batches": (
             tessera.Plan(pp=2, ep=2, pipeline={"microbatches": 2}),
             "moe_llama_unbalanced",

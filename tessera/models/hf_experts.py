@@ -36,6 +36,7 @@ def through_dispatch(module: nn.Module) -> None:
         return
     module.stacked_weights = HF_WEIGHTS
     module.ep_group = None
+    module.ep_shares = None
     module.grad_scale = 1.0
     module.own_forward = module.forward
     module.rows_through = types.MethodType(_rows_through, module)
@@ -47,7 +48,10 @@ def _forward(
 ) -> torch.Tensor:
     if self.ep_group is None and self.grad_scale == 1.0:
         return self.own_forward(hidden_states, top_k_index, top_k_weights)
-    return dispatch(hidden_states, top_k_index, top_k_weights, self.rows_through, self.num_experts, self.ep_group)
+    experts = self.rows_through
+    return dispatch(
+        hidden_states, top_k_index, top_k_weights, experts, self.num_experts, self.ep_group, None, self.ep_shares
+    )
 
 
 def _rows_through(self: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,10 @@ class MoE(nn.Module):
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         """Each token through its chosen experts, weighted and added (:func:`dispatch`)."""
-        return dispatch(tokens, chosen, weights, self.experts, self.spec.experts, self.experts.ep_group, counts)
+        experts = self.experts
+        return dispatch(
+            tokens, chosen, weights, experts, self.spec.experts, experts.ep_group, counts, experts.ep_shares
+        )
 
     def balance(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """E · Σ_e f_e · P_e: 1 when balanced. f counts the routing of the whole batch (summed over
@@ -154,17 +157,19 @@ def dispatch(
     num_experts: int,
     group: dist.ProcessGroup | None = None,
     counts: torch.Tensor | None = None,
+    shares: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Each token (row of ``tokens``) through its ``chosen`` experts (tokens × top_k), weighted by ``weights``
     and added: slots sorted by expert, every expert's rows through ``experts(rows, counts)`` (on this rank, or
-    with expert parallelism over ``group`` on their owners: :func:`exchange`), every token kept."""
+    with expert parallelism over ``group`` on their owners, ``shares[r]`` experts on rank r or an even split:
+    :func:`exchange`), every token kept."""
     if counts is None:
         counts = torch.bincount(chosen.flatten(), minlength=num_experts)
     top_k = chosen.shape[-1]
     order = torch.argsort(chosen.flatten(), stable=True)
     owner = order // top_k  # the token of each sorted slot
     sent = tokens[owner]
-    done = experts(sent, counts) if group is None else exchange(sent, counts, experts, num_experts, group)
+    done = experts(sent, counts) if group is None else exchange(sent, counts, experts, num_experts, group, shares)
     return torch.zeros_like(tokens).index_add(0, owner, done * weights.flatten()[order, None].to(done.dtype))
 
 
@@ -174,14 +179,17 @@ def exchange(
     experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_experts: int,
     group: dist.ProcessGroup,
+    shares: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Expert parallelism: slots sorted by expert go to the ranks owning their experts (all-to-all of the
-    counts, then of the rows, splits uneven), through the experts there, and back in the same order."""
+    counts, then of the rows, splits uneven), through the experts there, and back in the same order. Rank r
+    owns the ``shares[r]`` experts after those of the ranks before it (``shares``: None, an even split)."""
     ep = dist.get_world_size(group)
-    mine = num_experts // ep  # experts per rank: rank r owns [r·mine, (r+1)·mine)
-    from_each = torch.empty_like(counts)  # from_each[r·mine + j]: rows rank r sends to my expert j
-    dist.all_to_all_single(from_each, counts, group=group)
-    send = counts.view(ep, mine).sum(1).tolist()
+    owned = list(shares) if shares is not None else [num_experts // ep] * ep
+    mine = owned[dist.get_rank(group)]
+    from_each = counts.new_empty(ep * mine)  # from_each[r·mine + j]: rows rank r sends to my expert j
+    dist.all_to_all_single(from_each, counts, [mine] * ep, owned, group=group)
+    send = [int(part.sum()) for part in torch.split(counts, owned)]
     grid = from_each.view(ep, mine)
     recv = grid.sum(1).tolist()
     got = funcol.wait_tensor(funcol.all_to_all_single_autograd(sent.contiguous(), recv, send, group))
@@ -223,6 +231,7 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = experts
         self.ep_group: dist.ProcessGroup | None = None  # expert parallelism: the ranks sharing the experts
+        self.ep_shares: tuple[int, ...] | None = None  # experts held by each of them (None: an even split)
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))

@@ -15,44 +15,149 @@ makes it the gradient of the data-parallel mean loss; every other parameter is a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tessera.distributed import local
 from tessera.errors import PlanError
 
 
-def check_expert_parallel(ep: int, experts: Sequence[nn.Module]) -> None:
-    """Refuse an ep the model's experts cannot be split by (or a model without any)."""
+def check_expert_parallel(ep: int, experts: Sequence[nn.Module], shares: Sequence[int] | None = None) -> None:
+    """Refuse an ep (or expert shares) the model's experts cannot be split by, or a model without any."""
     if ep == 1:
         return
     if not experts:
         raise PlanError(f"Plan.ep={ep} splits experts, but the model has no MoE layer: use ep=1.")
     for module in experts:
-        if module.num_experts % ep:
+        if shares is not None and sum(shares) != module.num_experts:
+            raise PlanError(
+                f"Plan.expert_shares={list(shares)} sum to {sum(shares)}, but the MoE layers have "
+                f"{module.num_experts} experts: give shares that sum to {module.num_experts}."
+            )
+        if shares is None and module.num_experts % ep:
             raise PlanError(
                 f"Plan.ep={ep} does not divide the MoE layers' {module.num_experts} experts: choose an ep that "
-                f"divides {module.num_experts}."
+                f"divides {module.num_experts} (or give Plan.expert_shares)."
             )
 
 
-def shard_experts(module: nn.Module, experts: Sequence[nn.Module], ep_mesh: DeviceMesh) -> list[str]:
-    """Split each of ``experts`` (modules of ``module``) over ``ep_mesh`` (this rank keeps its share) and
-    point them at the ep group; return the names (in ``module``) of the expert weights, which DDP must
-    leave alone."""
-    check_expert_parallel(ep_mesh.size(), experts)
+def shard_experts(
+    module: nn.Module, experts: Sequence[nn.Module], ep_mesh: DeviceMesh, shares: Sequence[int] | None = None
+) -> list[str]:
+    """Split each of ``experts`` (modules of ``module``) over ``ep_mesh`` (this rank keeps its share:
+    ``shares[r]`` experts on ep rank r, or an even split) and point them at the ep group; return the names
+    (in ``module``) of the expert weights, which DDP must leave alone.
+
+    Even splits are DTensors (checkpoints hold whole layers through DCP). Uneven ones (``shares``) are this
+    rank's rows as a plain tensor, which DTensor cannot describe: the module's state dict gathers them
+    whole and its loading keeps this rank's rows (:func:`whole_experts`, :func:`held_experts`)."""
+    check_expert_parallel(ep_mesh.size(), experts, shares)
     ids = {}
     for unit in experts:
+        unit.ep_shares = tuple(shares) if shares is not None else None
+        unit.ep_group = ep_mesh.get_group()
         for name in unit.stacked_weights:
             whole = getattr(unit, name)
-            split = nn.Parameter(distribute_tensor(whole.data, ep_mesh, [Shard(0)]), requires_grad=whole.requires_grad)
+            if shares is None:
+                split = distribute_tensor(whole.data, ep_mesh, [Shard(0)])
+            else:
+                first, count = held_range(unit)
+                split = whole.data[first : first + count].clone()
+            split = nn.Parameter(split, requires_grad=whole.requires_grad)
             setattr(unit, name, split)
             ids[id(split)] = name
-        unit.ep_group = ep_mesh.get_group()
+        if shares is not None:
+            unit.register_state_dict_post_hook(_whole_in_state_dict)
+            unit.register_load_state_dict_pre_hook(_held_from_state_dict)
     return [name for name, p in module.named_parameters() if id(p) in ids]
+
+
+def held_range(unit: nn.Module) -> tuple[int, int]:
+    """The first expert this rank holds of ``unit`` and how many (uneven ``ep_shares``)."""
+    rank = dist.get_rank(unit.ep_group)
+    return sum(unit.ep_shares[:rank]), unit.ep_shares[rank]
+
+
+@torch.no_grad()
+def whole_experts(held: torch.Tensor, unit: nn.Module) -> torch.Tensor:
+    """Every rank's experts of a tensor laid out like ``unit``'s stacked weights (this rank's rows in
+    ``held``): gathered over the ep ranks, padded to the largest share for the all-gather."""
+    held = local(held)  # (replicated over dp_rep as a DTensor by the FSDP-based replicate under tp)
+    most = max(unit.ep_shares)
+    padded = held.new_zeros((most, *held.shape[1:]))
+    padded[: len(held)] = held
+    parts = [torch.empty_like(padded) for _ in unit.ep_shares]
+    dist.all_gather(parts, padded, group=unit.ep_group)
+    return torch.cat([part[:count] for part, count in zip(parts, unit.ep_shares)])
+
+
+def held_experts(whole: torch.Tensor, unit: nn.Module) -> torch.Tensor:
+    """This rank's rows of a whole tensor laid out like ``unit``'s stacked weights."""
+    first, count = held_range(unit)
+    return whole[first : first + count]
+
+
+def _whole_in_state_dict(unit: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+    for name in unit.stacked_weights:
+        if prefix + name in state:
+            state[prefix + name] = whole_experts(state[prefix + name].detach(), unit)
+
+
+def _held_from_state_dict(unit: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    for name in unit.stacked_weights:
+        value = state.get(prefix + name)
+        current = getattr(unit, name)
+        if isinstance(value, torch.Tensor) and len(value) == unit.num_experts != len(current):
+            value = held_experts(local(value), unit)
+            if isinstance(current, DTensor):  # replicated over dp_rep (tp's replicate): laid out alike
+                value = DTensor.from_local(value.to(current.device), current.device_mesh, current.placements)
+            state[prefix + name] = value
+
+
+def uneven_expert_names(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
+    """The names (``names``: parameter id → name) of the expert weights split unevenly, with their module."""
+    return {
+        names[id(getattr(unit, weight))]: unit
+        for unit in model.modules()
+        if getattr(unit, "ep_shares", None) is not None
+        for weight in unit.stacked_weights
+        if id(getattr(unit, weight)) in names
+    }
+
+
+def uneven_expert_groups(model: nn.Module) -> dict[int, tuple[dist.ProcessGroup, ...]]:
+    """For each expert weight split unevenly (by id, as the model holds it now), the groups its elements are
+    split over, which norms must add up over (DTensors say so themselves; these plain tensors cannot)."""
+    return {
+        id(getattr(unit, weight)): (unit.ep_group,)
+        for unit in model.modules()
+        if getattr(unit, "ep_shares", None) is not None
+        for weight in unit.stacked_weights
+    }
+
+
+def whole_optimizer_state(state: dict[str, Any], uneven: dict[str, nn.Module]) -> None:
+    """In an optimizer state dict keyed by parameter name, make the per-expert state (Adam's moments) of
+    the ``uneven`` expert weights whole (every rank's experts), as checkpoints hold them."""
+    _map_expert_state(state, uneven, whole_experts, lambda value, unit: len(value) == held_range(unit)[1])
+
+
+def held_optimizer_state(state: dict[str, Any], uneven: dict[str, nn.Module]) -> None:
+    """The inverse of :func:`whole_optimizer_state`: keep this rank's experts' rows."""
+    _map_expert_state(state, uneven, held_experts, lambda value, unit: len(value) == unit.num_experts)
+
+
+def _map_expert_state(state: dict[str, Any], uneven: dict[str, nn.Module], change: Any, applies: Any) -> None:
+    for name, unit in uneven.items():
+        entry = state["state"].get(name, {})
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and applies(value, unit):
+                entry[key] = change(value, unit)
 
 
 def expert_weights(experts: Sequence[nn.Module]) -> list[torch.Tensor]:
@@ -66,7 +171,7 @@ def reduce_expert_grad(param: torch.Tensor, replicas: dist.ProcessGroup, dp: int
     """Sum an expert weight's gradient over ``replicas`` (the ranks holding the same experts), divide by ``dp``."""
     if param.grad is None:
         return
-    local = param.grad.to_local()
+    local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
     if dist.get_world_size(replicas) > 1:
         dist.all_reduce(local, group=replicas)
     local.div_(dp)

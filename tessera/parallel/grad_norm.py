@@ -1,14 +1,15 @@
 """The one place gradient norms are computed and clipped.
 
 A gradient is either replicated (every rank holds all of it: DDP, ZeRO-1) or
-sharded as a DTensor (FSDP2: ZeRO-2/3). Sharded parts are summed across the
+sharded: a DTensor (FSDP2: ZeRO-2/3, tp, ep), or a plain tensor whose parameter names the
+groups it is split over (uneven expert shares: ``split``). Sharded parts are summed across the
 ranks that hold them exactly once; replicated parts are counted once locally.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,26 +36,29 @@ def global_grad_norm(
     norm_type: float = 2.0,
     across: Sequence[dist.ProcessGroup] = (),
     uncounted: Collection[int] = (),
+    split: Mapping[int, tuple[dist.ProcessGroup, ...]] = {},
 ) -> torch.Tensor:
     """The norm of all gradients as if the model were on one device (every rank gets it).
 
     ``across``: groups whose ranks hold disjoint parameters (pipeline stages); the local
     totals are combined over them once, after the sharded parts are complete. ``uncounted``:
-    ids of parameters whose gradient another rank counts (a tied weight's second copy)."""
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in uncounted]
+    ids of parameters whose gradient another rank counts (a tied weight's second copy).
+    ``split``: for plain parameters split by hand (uneven expert shares), by id, the groups
+    their elements are split over."""
+    grads = [(p, p.grad) for p in params if p.grad is not None and id(p) not in uncounted]
     inf_norm = math.isinf(norm_type)
     if not inf_norm and norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    device = grads[0].device if grads else torch.device("cpu")
+    device = grads[0][1].device if grads else torch.device("cpu")
     replicated = torch.zeros((), device=device, dtype=torch.float32)
-    # Sharded gradients: one partial sum per (mesh, sharded mesh dims), reduced once over those dims.
-    sharded: dict[tuple, tuple[torch.Tensor, DTensor]] = {}
-    for g in grads:
+    # Sharded gradients: one partial sum per set of groups over which they are split, reduced once over them.
+    sharded: dict[tuple, tuple[torch.Tensor, tuple[dist.ProcessGroup, ...]]] = {}
+    for p, g in grads:
         t = local(g).float()
         part = _partial(t, inf_norm)
-        if isinstance(g, DTensor) and _sharded_over(g):
-            key = (id(g.device_mesh), tuple(_sharded_over(g)))
-            acc = sharded.setdefault(key, (torch.zeros((), device=t.device), g))[0]
+        groups = _shard_groups(g) + split.get(id(p), ())
+        if groups:
+            acc = sharded.setdefault(tuple(id(x) for x in groups), (torch.zeros((), device=t.device), groups))[0]
         else:
             acc = replicated
         if inf_norm:
@@ -63,9 +67,9 @@ def global_grad_norm(
             acc += part
     total = replicated
     op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
-    for acc, example in sharded.values():
-        for dim in _sharded_over(example):
-            dist.all_reduce(acc, op=op, group=example.device_mesh.get_group(dim))
+    for acc, groups in sharded.values():
+        for group in groups:
+            dist.all_reduce(acc, op=op, group=group)
         total = torch.maximum(total, acc) if inf_norm else total + acc
     for group in across:
         dist.all_reduce(total, op=op, group=group)
@@ -79,14 +83,16 @@ def clip_grads_(
     norm_type: float = 2.0,
     across: Sequence[dist.ProcessGroup] = (),
     uncounted: Collection[int] = (),
+    split: Mapping[int, tuple[dist.ProcessGroup, ...]] = {},
 ) -> torch.Tensor:
-    """Clip gradients in place to ``max_norm`` of the global norm; return that norm.
+    """Clip gradients in place to ``max_norm`` of the global norm; return that norm (``split``: as for
+    :func:`global_grad_norm`).
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by
     ``max_norm / (norm + 1e-6)`` when that is below one.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type, across, uncounted)
+    total = global_grad_norm(params, norm_type, across, uncounted, split)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:

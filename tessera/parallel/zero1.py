@@ -15,7 +15,7 @@ the optimizer state live on the CPU instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,8 @@ class ShardedOptimizer:
     Exposes ``param_groups``/``state`` of the local optimizer, so learning-rate
     schedulers work unchanged. ``holders``: for a parameter only some ranks of ``group`` hold
     alike (an expert split over expert-parallel ranks), the group it is spread over instead;
-    each group's parameters are laid end to end on a line of their own.
+    each group's parameters are laid end to end on a line of their own. ``split``: by id, the
+    groups a plain parameter's elements are split over (uneven experts), for layer-wise norms.
     """
 
     def __init__(
@@ -53,9 +54,11 @@ class ShardedOptimizer:
         group: dist.ProcessGroup,
         offload: bool = False,
         holders: Callable[[nn.Parameter], dist.ProcessGroup | None] = lambda p: None,
+        split: Mapping[int, tuple[dist.ProcessGroup, ...]] = {},
     ) -> None:
         self.group = group
         self.offload = offload
+        self.split = split
         self.slices: list[_Slice] = []
         params = [p for pg in param_groups for p in pg["params"]]
         group_of = {id(p): holders(p) or group for p in params}
@@ -93,7 +96,7 @@ class ShardedOptimizer:
         split_over = (
             [p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if pl.is_shard()]
             if isinstance(p, DTensor)
-            else []
+            else list(self.split.get(id(p), ()))
         )
         shard._tessera_shard_groups = (group, *split_over)
         return _Slice(full=p, shard=shard, start=start, end=end, group=group, owners=owners)

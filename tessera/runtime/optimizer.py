@@ -10,7 +10,7 @@ from torch import nn
 from tessera.models.hf_experts import expert_modules
 from tessera.optim.wrapper import BoostedOptimizer, optimizer_factory, rebuild_optimizer
 from tessera.parallel import data_parallel
-from tessera.parallel.experts import expert_weights
+from tessera.parallel.experts import expert_weights, uneven_expert_groups
 from tessera.parallel.zero1 import ShardedOptimizer
 from tessera.runtime.engine import Context, Engine
 
@@ -28,7 +28,10 @@ def boost_optimizer(
             experts = {id(p) for p in expert_weights(expert_modules(data_parallel.unwrap(wrapped)))}
             replicas = ctx.meshes.group("dp_rep")
         holders = (lambda p: replicas if id(p) in experts else None) if experts else (lambda p: None)
-        inner = ShardedOptimizer(groups, build, engine.grad_group(), offload=ctx.plan.offload, holders=holders)
+        split = uneven_expert_groups(data_parallel.unwrap(wrapped))
+        inner = ShardedOptimizer(
+            groups, build, engine.grad_group(), offload=ctx.plan.offload, holders=holders, split=split
+        )
     else:
         inner = build(groups)
     return BoostedOptimizer(inner, list(wrapped.parameters()), ctx.scaler)

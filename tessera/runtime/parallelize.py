@@ -59,7 +59,7 @@ def parallelize(
     by_units = fsdp or (plan.tp > 1 and plan.pp == 1)
     if plan.ep > 1:
         assert meshes is not None and plan.dp is not None
-        names = shard_experts(module, experts, meshes.axis("ep"))
+        names = shard_experts(module, experts, meshes.axis("ep"), plan.expert_shares)
         if by_units:  # sharded (or replicated) and averaged over the ranks holding the same experts (dp / ep)
             own = [(unit, meshes.axis("dp_rep")) for unit in experts]
             for unit in experts:  # their gradients already sum ep ranks' tokens: 1/ep makes the dp mean

@@ -124,7 +124,12 @@ def check_training(
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     experts, have = _experts_of(cfg.model)
-    if plan.ep > 1 and (not experts or experts % plan.ep):
+    if plan.expert_shares is not None and experts and sum(plan.expert_shares) != experts:
+        raise ConfigError(
+            f"plan.expert_shares={list(plan.expert_shares)} sum to {sum(plan.expert_shares)}, but the model has "
+            f"{have}: give shares that sum to {experts}."
+        )
+    if plan.ep > 1 and (not experts or (experts % plan.ep and plan.expert_shares is None)):
         raise ConfigError(
             f"plan.ep={plan.ep} splits each MoE layer's experts over {plan.ep} ranks, but the model has {have}: "
             "set model.moe (or use a Hugging Face MoE config) with a number of experts ep divides, or plan.ep: 1."
