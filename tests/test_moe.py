@@ -285,3 +285,46 @@ def test_an_ep2_checkpoint_loads_at_ep1_and_ep4_and_training_reports_the_experts
         assert 0 < r["balance_loss"] < 4  # E · Σ f·P: 1 when even, E when one expert takes everything
     assert (tmp_path / "t" / "experts.png").is_file()
     assert "one expert took" in out[0]["printed"] and "model.moe.bias_rate" in out[0]["printed"]
+
+
+def test_the_planner_counts_active_experts_and_places_experts_by_speed_and_memory() -> None:
+    """An MoE block costs the FLOPs of its top_k experts (8 experts top-2 cost what 2 experts top-2 do, with
+    4× the parameters); experts go to ranks in proportion to speed, within memory; on a cluster of speeds 4,
+    4, 2, 2 the planner offers the data-parallel layouts with experts split over ep, held 3, 3, 1, 1, and
+    predicts that placement faster than an even one; a dense model gets no ep."""
+    from tessera.cluster.spec import Cluster, Link
+    from tessera.planner import ModelCosts, plan_for
+    from tessera.planner.experts import expert_costs, expert_seconds, place_experts
+
+    def llama(experts: int) -> Llama:
+        with torch.device("meta"):
+            moe = MoESpec(experts=experts, top_k=2) if experts else None
+            return Llama(LlamaConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                                     max_seq_len=64, moe=moe))  # fmt: skip
+
+    eight, two = ModelCosts.from_model(llama(8), 64), ModelCosts.from_model(llama(2), 64)
+    assert eight.parts["block"].forward_s == pytest.approx(two.parts["block"].forward_s, rel=0.01)  # (routers)
+    assert eight.parts["block"].params > 3 * two.parts["block"].params
+    assert place_experts([4, 4, 2, 2], 8) == (3, 3, 1, 1) and place_experts([1, 1, 1, 1], 8) == (2, 2, 2, 2)
+    assert place_experts([4, 4, 2, 2], 8, capacity=[2, 8, 8, 8]) == (2, 4, 1, 1)
+    with pytest.raises(ValueError, match="3 experts cannot give each of 4 ranks one"):
+        place_experts([1, 1, 1, 1], 3)
+    costs = expert_costs(llama(8))
+    assert costs is not None and (costs.experts, costs.top_k, costs.layers) == (8, 2, 4)
+    fast = Link(100.0, 1.0)
+    even = expert_seconds(costs, 64, [8, 8, 4, 4], [4, 4, 2, 2], (2, 2, 2, 2), fast)
+    placed = expert_seconds(costs, 64, [8, 8, 4, 4], [4, 4, 2, 2], (3, 3, 1, 1), fast)
+    assert placed.compute_s == pytest.approx(even.compute_s * 3 / 4)  # slowest: 3/8 at 4 vs 2/8 at 2
+
+    cluster = Cluster.from_dict({
+        "nodes": [{"name": "a", "devices": [{"type": "full", "count": 2}]},
+                  {"name": "b", "devices": [{"type": "half", "count": 2}]}],
+        "device_types": {"full": {"peak_tflops": {"fp32": 4}, "memory_gib": 8, "bandwidth_gbs": 100},
+                         "half": {"peak_tflops": {"fp32": 2}, "memory_gib": 8, "bandwidth_gbs": 100}},
+        "links": {"inter_node": {"bandwidth_gbs": 1.0, "latency_us": 100}},
+    })  # fmt: skip
+    found = plan_for(cluster, llama(8), 32, top=1000)
+    split = [c for c in found if c.plan.ep == 4]
+    assert split and all(c.plan.expert_shares == (3, 3, 1, 1) for c in split)
+    assert "held [3, 3, 1, 1] by device speed" in split[0].notes[-1]
+    assert all(c.plan.ep == 1 for c in plan_for(cluster, llama(0), 32, top=1000))

@@ -74,3 +74,19 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
         elif isinstance(module, Experts):
             found.append(module)
     return found
+
+
+def top_k_of(model: nn.Module) -> int:
+    """How many experts each token takes (the reference Llama's MoESpec, or a Hugging Face config)."""
+    config = getattr(model, "config", None)
+    moe = getattr(config, "moe", None)
+    return moe.top_k if moe is not None else config.num_experts_per_tok
+
+
+def active_params(model: nn.Module, block: nn.Module) -> int:
+    """The parameters of ``block`` one token goes through: all but the experts it is not routed to."""
+    total = sum(p.numel() for p in block.parameters())
+    for unit in expert_modules(block):
+        held = sum(getattr(unit, name).numel() for name in unit.stacked_weights)
+        total -= held * (unit.num_experts - top_k_of(model)) // unit.num_experts
+    return total

@@ -16,10 +16,13 @@ from torch import nn
 from tessera.cluster.spec import Cluster
 from tessera.errors import PlanError
 from tessera.planner.costs import ModelCosts
+from tessera.planner.experts import expert_candidate, expert_costs
 from tessera.planner.outer import outer_candidates, unlike_region_candidates
 from tessera.planner.precision import choose_precision
 from tessera.planner.search import Candidate, search
 from tessera.planner.subsets import on_full_cluster, subsets
+
+EVERY_SHAPE = 10_000  # a "top" no search reaches
 
 
 def sequence_length(model: nn.Module) -> int:
@@ -48,14 +51,18 @@ def plan_for(
     ``precision`` bf16 (or "auto") beside devices without bf16 plans fp16 with loss scaling unless
     ``pin_precision`` (:func:`~tessera.planner.precision.choose_precision`; the ``notes`` say so).
     Plans that leave the slowest devices out compete too (:mod:`~tessera.planner.subsets`; their
-    ``notes`` and ``Plan.placement`` say which) unless ``use_every_device``."""
+    ``notes`` and ``Plan.placement`` say which) unless ``use_every_device``. A model with experts also
+    gets each layout with its experts split over the data-parallel ranks and placed by device speed and
+    memory (:mod:`~tessera.planner.experts`) where that is predicted faster."""
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
     precision, note = choose_precision(cluster, precision, pin_precision)
     if costs is None:
         costs = ModelCosts.from_model(model, seq_len or sequence_length(model), precision)
     elif costs.precision != precision:
         costs = costs.with_precision(precision)
-    found = search(cluster, costs, global_batch_size, top=top)
+    experts = expert_costs(model, precision)
+    # With experts, every shape's best layout is kept: a flat data-parallel one may win once its experts are split
+    found = search(cluster, costs, global_batch_size, top=top if experts is None else EVERY_SHAPE)
     found += outer_candidates(cluster, costs, global_batch_size, top)  # regions alike: a group each
     found += unlike_region_candidates(cluster, costs, global_batch_size)  # not alike: a job each, its own layout
     if not use_every_device:
@@ -65,6 +72,10 @@ def plan_for(
             except PlanError:  # does not fit, or the batch is too small for it
                 continue
             found += [on_full_cluster(c, kept, cluster) for c in smaller]
+    if experts is not None:  # each layout also with its experts split over its data ranks, placed by speed
+        seq = seq_len or sequence_length(model)
+        split = [expert_candidate(c, cluster, experts, seq, global_batch_size, precision) for c in found]
+        found += [c for c in split if c is not None]
     found = sorted(found, key=lambda c: c.estimate.step_s)[:top]
     return [replace(c, notes=(*c.notes, note)) for c in found] if note else found
 

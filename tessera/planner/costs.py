@@ -156,8 +156,8 @@ class ModelCosts:
         per_s = 1.0 / (1e12 * mfu)  # seconds per FLOP on a 1-TFLOP/s device at this mfu
         parts = {
             "first": PartCost(0.0, counts["first"], seq_len * hidden * elem, tensors=tensors["first"]),
-            "block": PartCost(
-                (2 * counts["block"] * seq_len + attention_flops) * per_s,
+            "block": PartCost(  # FLOPs of the parameters a token goes through (an MoE block: its top_k experts)
+                (2 * counts["block_active"] * seq_len + attention_flops) * per_s,
                 counts["block"],
                 34 * seq_len * hidden * elem / 2,
                 tensors=tensors["block"],
@@ -211,6 +211,7 @@ def fit_line(times: dict[int, float]) -> tuple[float, float]:
 def _shape(model: nn.Module) -> tuple[int, int, int, dict[str, int], int, dict[str, int]]:
     """Hidden size, vocabulary, layer count, parameter count of each part, the count first and last
     share, and the parameter tensors of each part."""
+    from tessera.models.hf_experts import active_params
     from tessera.models.policies import policy_for
 
     config = getattr(model, "config", None)
@@ -235,6 +236,7 @@ def _shape(model: nn.Module) -> tuple[int, int, int, dict[str, int], int, dict[s
     counts = {
         "first": count(layout.first),
         "block": sum(p.numel() for p in blocks[0].parameters()),
+        "block_active": active_params(model, blocks[0]),
         "last": count(layout.last),
     }
     tensors = {
