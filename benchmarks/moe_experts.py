@@ -4,7 +4,9 @@ the same MoE Llama, in one run: step time and state bytes per rank.
 The reference Llama with 8 experts per layer, top-2 (dim 256, 4 layers, expert hidden 512, vocabulary 8,000),
 AdamW, 4 × 128 tokens a rank, on 2 and 4 ranks (gloo). Systems: ``tessera-ddp`` (every rank holds every
 expert), ``tessera-zero3`` (everything sharded by ZeRO-3), ``tessera-ep`` (``Plan(ep=world)``: each rank holds
-8 / world experts, tokens travel by all-to-all), ``deepspeed-moe`` (DeepSpeed's MoE layer with the same experts,
+8 / world experts, tokens travel by all-to-all; ``tessera-ep-loop`` the same with the experts' products in a
+loop instead of one grouped GEMM; ``tessera-ep2-zero3``: ``Plan(ep=2, zero=3)``, experts split over pairs and
+sharded over the pairs' replicas, the rest ZeRO-3), ``deepspeed-moe`` (DeepSpeed's MoE layer with the same experts,
 ``ep_size=world``, dropless, ZeRO-0). State: parameters this rank holds, gradients and optimizer state
 (``tessera.memory.model_state_bytes``); step: the slowest rank's median. Each (ranks, system) in fresh
 processes, interleaved and rotated per repetition; medians.
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SYSTEMS = ("tessera-ddp", "tessera-zero3", "tessera-ep", "deepspeed-moe")
+SYSTEMS = ("tessera-ddp", "tessera-zero3", "tessera-ep", "tessera-ep-loop", "tessera-ep2-zero3", "deepspeed-moe")
 WORLDS = (2, 4)
 DIM, LAYERS, HIDDEN, EXPERTS, TOP_K, VOCAB, SEQ, LOCAL_BATCH = 256, 4, 512, 8, 2, 8000, 128, 4
 
@@ -69,7 +71,13 @@ def _setup(system: str) -> tuple[nn.Module, Any, Any]:
             "tessera-ddp": tessera.Plan(),
             "tessera-zero3": tessera.Plan(zero=3),
             "tessera-ep": tessera.Plan(ep=world),
+            "tessera-ep-loop": tessera.Plan(ep=world),
+            "tessera-ep2-zero3": tessera.Plan(ep=2, zero=3),
         }
+        if system == "tessera-ep-loop":  # the experts' products one by one instead of one grouped GEMM
+            from tessera.models import moe
+
+            moe.GROUPED = False
         booster = tessera.Booster(plan[system])
         model, optimizer = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         return model, optimizer, lambda loss: booster.backward(loss, optimizer)

@@ -7,6 +7,10 @@ parallelism splits, so these modules get the same treatment as the reference Lla
 :class:`~tessera.models.moe.Experts`: split on the expert dimension, and under expert parallelism
 their forward goes through Tessera's :func:`~tessera.models.moe.dispatch` (all-to-all to the experts'
 ranks), computing what Hugging Face's eager forward computes.
+
+Also here, because both kinds of experts are known here (``parallel/`` never imports the models):
+:func:`expert_modules` finds every stacked-experts module of a model, :func:`top_k_of` and
+:func:`active_params` tell the planner how many experts a token goes through.
 """
 
 from __future__ import annotations

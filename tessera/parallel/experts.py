@@ -2,10 +2,11 @@
 (the reference Llama's and Hugging Face's stacked experts alike: modules with ``stacked_weights``,
 ``num_experts``, ``ep_group`` and ``grad_scale``, found by :func:`tessera.models.hf_experts.expert_modules`).
 
-The ep ranks are neighbouring data-parallel ranks: each holds ``experts / ep`` experts of every MoE layer
-(its stacked weights become DTensors split on the expert dimension, so checkpoints hold whole layers and
-load under any ep) and the tokens routed to an expert travel to its rank and back
-(:meth:`tessera.models.moe.MoE.exchange`). Gradients: an expert's gradient on its rank already sums the
+The ep ranks are neighbouring data-parallel ranks: each holds ``experts / ep`` experts of every MoE layer,
+or ``Plan.expert_shares`` of them (its stacked weights become DTensors split on the expert dimension, or
+plain tensors of its rows whose state dicts gather them whole, so checkpoints hold whole layers and load
+under any ep) and the tokens routed to an expert travel to its rank and back
+(:func:`tessera.models.moe.exchange`). Gradients: an expert's gradient on its rank already sums the
 contributions of the tokens of every ep rank (the all-to-all's backward brings them), so it is summed over
 the ranks that hold the same experts (``dp / ep`` of them: the "dp_rep" axis) and divided by dp, which
 makes it the gradient of the data-parallel mean loss; every other parameter is averaged over dp as usual
