@@ -661,11 +661,6 @@ class Plan:
                     "DDP or ZeRO-1/2/3, tensor parallelism and pipeline stages (no offload) for now; "
                     "use ep=1 for the others."
                 )
-        if self.expert_shares is not None and self.zero >= 2:
-            raise NotSupportedYet(
-                f"Plan.expert_shares with Plan.zero={self.zero} is not supported yet: uneven experts per rank run "
-                "with DDP or ZeRO-1 for now; use zero 0 or 1, or even experts (no expert_shares)."
-            )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
 

@@ -221,7 +221,7 @@ def full_grads(booster, model: nn.Module) -> dict[str, torch.Tensor]:
             assert p.grad is None, f"{name} is frozen but has a gradient"
             continue
         g = p.grad
-        g = whole_experts(g, uneven[name]) if name in uneven else g.full_tensor() if isinstance(g, DTensor) else g
+        g = whole_experts(g, uneven[name][0]) if name in uneven else g.full_tensor() if isinstance(g, DTensor) else g
         out[name] = g.detach().cpu().clone()
     group = booster.stage_group
     if group is not None:

@@ -128,8 +128,6 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
         tessera.Plan(ep=2, expert_shares=(1, 2, 1))
     with pytest.raises(PlanError, match=r"Plan.expert_shares\[1\]=0: every ep rank holds a positive number"):
         tessera.Plan(ep=2, expert_shares=(4, 0))
-    with pytest.raises(tessera.NotSupportedYet, match="Plan.expert_shares with Plan.zero=3 is not supported yet"):
-        tessera.Plan(ep=2, expert_shares=(3, 1), zero=3).resolve(2)
     with pytest.raises(tessera.NotSupportedYet, match="Plan.ep=2 with Plan.offload=True is not supported yet"):
         tessera.Plan(ep=2, zero=3, offload=True).resolve(4)
     with pytest.raises(PlanError, match="Plan.ep=4 must divide the data-parallel size dp=2"):
@@ -167,7 +165,8 @@ def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_p
 def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_expert_parallelism() -> None:
     """A 2-layer Llama with 4 experts (top-2, a shared expert, balance loss 0.01) on 2 ranks: DDP, ZeRO-1/2/3,
     uneven shares 3:1, pp2, ep2 (each rank 2 experts, tokens exchanged by all-to-all), ep2 under ZeRO-1/3, and
-    ep2 with samples 3:1 and experts 3:1 (the first rank takes 3/4 of the batch and holds 3 of the 4 experts):
+    ep2 with samples 3:1 and experts 3:1 (the first rank takes 3/4 of the batch and holds 3 of the 4 experts)
+    and with experts 1:3 under ZeRO-3:
     losses, norms, first gradients and parameters after 3 AdamW steps equal one process (1e-5): the balance
     loss counts the routing of the whole batch (summed over the data ranks) and gets the batch loss's weight.
     Hugging Face's Mixtral and Qwen2-MoE (a shared expert, a dense first layer), built from configs, against
@@ -183,6 +182,7 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
         "ep2 zero1": tessera.Plan(ep=2, zero=1),
         "ep2 zero3": tessera.Plan(ep=2, zero=3),
         "ep2, samples 3:1, experts 3:1": tessera.Plan(ep=2, dp_shares=(3, 1), expert_shares=(3, 1)),
+        "ep2, experts 1:3, zero3": tessera.Plan(ep=2, expert_shares=(1, 3), zero=3),
     }
     cases = [(name, plan.to_dict(), "moe_llama", None) for name, plan in plans.items()]
     hugging_face = {
@@ -201,7 +201,8 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
 def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
     """Train 2 steps at ep2 (× dp_rep 2), checkpoint, take a third step; load the checkpoint into fresh models
     laid out without expert parallelism (DDP), at ep4 under ZeRO-1 (optimizer state spread over the ranks
-    holding the same experts) and at ep2 with uneven experts 1:3 under ZeRO-1, on the same ranks: for each, the
+    holding the same experts) and at ep2 with uneven experts 1:3 under ZeRO-3 (each rank's experts sharded
+    over the 2 ranks holding them), on the same ranks: for each, the
     same weights, and after the same third step (which reads the Adam moments) the same weights as the ep2
     run's (1e-5). Then the uneven run's own checkpoint (its experts gathered whole) loads into DDP: the same
     weights, and the same weights again after a fourth step on both."""
@@ -232,7 +233,7 @@ def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
     train(booster, model, optimizer, 2, 3)
     want = booster.full_state_dict(model)
     loaded = []
-    for plan in (tessera.Plan(), tessera.Plan(ep=4, zero=1), tessera.Plan(ep=2, expert_shares=(1, 3), zero=1)):
+    for plan in (tessera.Plan(), tessera.Plan(ep=4, zero=1), tessera.Plan(ep=2, expert_shares=(1, 3), zero=3)):
         again, other, other_optimizer = laid_out(plan, 1)
         load_checkpoint(path, other, other_optimizer)
         same = close(saved, again.full_state_dict(other))
@@ -328,3 +329,34 @@ def test_the_planner_counts_active_experts_and_places_experts_by_speed_and_memor
     assert split and all(c.plan.expert_shares == (3, 3, 1, 1) for c in split)
     assert "held [3, 3, 1, 1] by device speed" in split[0].notes[-1]
     assert all(c.plan.ep == 1 for c in plan_for(cluster, llama(0), 32, top=1000))
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen2Moe", "Qwen3Moe"])
+def test_hugging_face_experts_through_tessera_s_dispatch_compute_transformers_forward(family: str) -> None:
+    """Each Hugging Face family the MoE policy names: its experts' rows through Tessera's dispatch (what
+    expert parallelism runs) give transformers' own forward's output and gradients (1e-5)."""
+    import transformers
+
+    from tessera.models.hf_experts import expert_modules
+    from tessera.models.moe import dispatch
+
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=32, intermediate_size=32, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, num_experts_per_tok=2, num_local_experts=4, num_experts=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    (experts,) = expert_modules(model)
+    hidden = torch.randn(24, 32)
+    chosen = torch.stack([torch.randperm(4)[:2] for _ in range(24)])
+    weights = torch.rand(24, 2)
+    upstream = torch.randn(24, 32)
+    results = []
+    for forward in (experts.own_forward, lambda h, c, w: dispatch(h, c, w, experts.rows_through, 4)):
+        experts.zero_grad()
+        x = hidden.clone().requires_grad_()
+        out = forward(x, chosen, weights)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -88,7 +88,8 @@ def held_range(unit: nn.Module) -> tuple[int, int]:
 def whole_experts(held: torch.Tensor, unit: nn.Module) -> torch.Tensor:
     """Every rank's experts of a tensor laid out like ``unit``'s stacked weights (this rank's rows in
     ``held``): gathered over the ep ranks, padded to the largest share for the all-gather."""
-    held = local(held)  # (replicated over dp_rep as a DTensor by the FSDP-based replicate under tp)
+    if isinstance(held, DTensor):  # this rank's experts as FSDP shards them (or replicate holds them) over dp_rep
+        held = held.full_tensor()
     most = max(unit.ep_shares)
     padded = held.new_zeros((most, *held.shape[1:]))
     padded[: len(held)] = held
@@ -114,20 +115,27 @@ def _held_from_state_dict(unit: nn.Module, state: dict[str, Any], prefix: str, *
         value = state.get(prefix + name)
         current = getattr(unit, name)
         if isinstance(value, torch.Tensor) and len(value) == unit.num_experts != len(current):
-            value = held_experts(local(value), unit)
-            if isinstance(current, DTensor):  # replicated over dp_rep (tp's replicate): laid out alike
-                value = DTensor.from_local(value.to(current.device), current.device_mesh, current.placements)
-            state[prefix + name] = value
+            state[prefix + name] = laid_out_like(current, held_experts(local(value), unit))
 
 
-def uneven_expert_names(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
-    """The names (``names``: parameter id → name) of the expert weights split unevenly, with their module."""
+def laid_out_like(weight: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (this rank's experts, whole) laid out as ``weight`` is: sharded (FSDP) or replicated (tp's
+    replicate) over dp_rep when ``weight`` is a DTensor there; each rank takes its part of its own copy."""
+    if not isinstance(weight, DTensor):
+        return value
+    value = value.to(weight.device)
+    return distribute_tensor(value, weight.device_mesh, weight.placements, src_data_rank=None)
+
+
+def uneven_expert_names(model: nn.Module, names: dict[int, str]) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """The names (``names``: parameter id → name) of the expert weights split unevenly, with their module
+    and the weight itself."""
     return {
-        names[id(getattr(unit, weight))]: unit
+        names[id(weight)]: (unit, weight)
         for unit in model.modules()
         if getattr(unit, "ep_shares", None) is not None
-        for weight in unit.stacked_weights
-        if id(getattr(unit, weight)) in names
+        for weight in (getattr(unit, name) for name in unit.stacked_weights)
+        if id(weight) in names
     }
 
 
@@ -142,23 +150,33 @@ def uneven_expert_groups(model: nn.Module) -> dict[int, tuple[dist.ProcessGroup,
     }
 
 
-def whole_optimizer_state(state: dict[str, Any], uneven: dict[str, nn.Module]) -> None:
+def whole_optimizer_state(state: dict[str, Any], uneven: dict[str, tuple[nn.Module, torch.Tensor]]) -> None:
     """In an optimizer state dict keyed by parameter name, make the per-expert state (Adam's moments) of
     the ``uneven`` expert weights whole (every rank's experts), as checkpoints hold them."""
-    _map_expert_state(state, uneven, whole_experts, lambda value, unit: len(value) == held_range(unit)[1])
+    for name, (unit, _) in uneven.items():
+        _replace(state, name, held_range(unit)[1], lambda value, unit=unit: whole_experts(value, unit))
 
 
-def held_optimizer_state(state: dict[str, Any], uneven: dict[str, nn.Module]) -> None:
-    """The inverse of :func:`whole_optimizer_state`: keep this rank's experts' rows."""
-    _map_expert_state(state, uneven, held_experts, lambda value, unit: len(value) == unit.num_experts)
+def held_optimizer_state(state: dict[str, Any], uneven: dict[str, tuple[nn.Module, torch.Tensor]]) -> None:
+    """The inverse of :func:`whole_optimizer_state`: keep this rank's experts' rows, laid out as the weight."""
+    for name, (unit, weight) in uneven.items():
+        _replace(
+            state,
+            name,
+            unit.num_experts,
+            lambda value, u=unit, w=weight: laid_out_like(w, held_experts(local(value), u)),
+        )
 
 
-def _map_expert_state(state: dict[str, Any], uneven: dict[str, nn.Module], change: Any, applies: Any) -> None:
-    for name, unit in uneven.items():
-        entry = state["state"].get(name, {})
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and applies(value, unit):
-                entry[key] = change(value, unit)
+def _replace(state: dict[str, Any], name: str, rows: int, change: Any) -> None:
+    """Change the entries of ``name``'s optimizer state that hold a row per expert (``rows`` of them) into a
+    new entry (torch's state dicts may share their entries with the optimizer's live state)."""
+    entry = state["state"].get(name)
+    if entry is not None:
+        state["state"][name] = {
+            k: change(v) if isinstance(v, torch.Tensor) and v.dim() > 0 and len(v) == rows else v
+            for k, v in entry.items()
+        }
 
 
 def expert_weights(experts: Sequence[nn.Module]) -> list[torch.Tensor]:

@@ -137,8 +137,8 @@ def with_experts(
 ) -> tuple[Plan, ExpertTime, ExpertTime] | None:
     """``plan`` (``dp`` data-parallel ranks) with those ranks as one ep group, experts placed by speed and
     memory (:func:`place_experts`), and the predicted expert work before and after; None where the plan's layout
-    does not take it (pipeline stages, tp or sp, groups, replicas, ZeRO-2/3 with uneven experts: the
-    placement covers one flat data-parallel group) or there are fewer experts than ranks."""
+    does not take it (pipeline stages, tp or sp, groups, replicas: the placement covers one flat
+    data-parallel group) or there are fewer experts than ranks."""
     if dp < 2 or plan.pp > 1 or plan.tp > 1 or plan.sp > 1 or plan.groups is not None or plan.replicas is not None:
         return None
     if costs.experts < dp:
@@ -149,8 +149,6 @@ def with_experts(
     capacity = [max(1, int(t.memory_gib * 2**30 * USABLE_MEMORY // costs.state_bytes)) for t in types]
     shares = place_experts(speeds, costs.experts, capacity)
     even = len(set(shares)) == 1
-    if not even and plan.zero >= 2:
-        return None
     nodes = {devices[plan.device_of(rank)][0] for rank in range(dp)}
     link = cluster.worst_link(nodes)
     samples = split_batch(global_batch, plan.shares(dp))

@@ -37,8 +37,7 @@ def _tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
     for index, layer in enumerate(model.model.layers):  # dense MLPs (a dense layer's, a shared expert) as Llama's
-        for name in ("mlp", "mlp.shared_expert"):
-            mlp = layer.get_submodule(name) if hasattr(layer.mlp, "shared_expert") or name == "mlp" else None
+        for name, mlp in (("mlp", layer.mlp), ("mlp.shared_expert", getattr(layer.mlp, "shared_expert", None))):
             if mlp is not None and hasattr(mlp, "gate_proj"):
                 path = f"model.layers.{index}.{name}"
                 plan |= {f"{path}.gate_proj": ColwiseParallel(), f"{path}.up_proj": ColwiseParallel()}
