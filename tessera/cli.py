@@ -119,6 +119,9 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
         elif not own and (p.dp_shares or p.pipeline.stages):
             print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
+        if p.ep > 1:
+            held = list(p.expert_shares) if p.expert_shares else "evenly"
+            print(f"{'':>3} experts over ep={p.ep} ranks, held {held}")
         if p.groups is not None:  # dp, tp and the shares above are each group's
             g = p.groups
             every = f"every {g.inner_steps} steps" + (f", {g.fragments} fragments in turn" if g.fragments > 1 else "")
