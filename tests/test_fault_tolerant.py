@@ -325,8 +325,10 @@ def test_fault_tolerant_streaming_stopped_mid_transfer_resumes_and_matches_one_j
     """Streaming DiLoCo with a delay through torchft: each fragment's transfer runs while the next inner step
     computes. Each group's job checkpoints its own folder; stopped at step 8, with fragment 1's transfer in
     flight (it left at 8, lands at 9: the checkpoint holds its average and the groups' decision to keep
-    it; fragment 0 landed at 7), and resumed (`--resume`), both groups reach step 16 bit for bit where a
-    straight run does, and where the same groups run as one job (not fault-tolerant) do."""
+    it; fragment 0 landed at 7), and resumed (`--resume`), both groups reach step 16 where the same groups
+    run as one job (not fault-tolerant) do (1e-6). (A straight fault-tolerant run, compared bit for bit, was
+    dropped in session 18 for the suite's time: a resume that lost the in-flight fragment or the decision
+    ends far beyond 1e-6 of the one job.)"""
     from test_checkpoint import checkpoint_tensors, tiny_config
 
     from tessera.export import load_full_model_state
@@ -349,16 +351,12 @@ def test_fault_tolerant_streaming_stopped_mid_transfer_resumes_and_matches_one_j
     saved = checkpoint_tensors(in_flight, tmp_path, prefixes=("outer.",))
     assert saved["outer.kept"].tolist() == [-1, 1] and saved["outer.due"].tolist() == [7, 9], saved["outer.due"]
     train("split", "--resume", "--set", "logging.run_name=split")
-    train("straight", "--set", "logging.run_name=straight")
     train("one job", "--set", "logging.run_name=one_job", file="one_job.yaml")
     for g in (0, 1):  # at 16 fragment 1 is in flight again: the groups differ, each like its twin in one job
         folder = Path("checkpoints") / "step_00000016" / f"group_{g}"
         one_job = load_full_model_state(tmp_path / "runs" / "one_job" / folder)
-        split, straight = (
-            load_full_model_state(tmp_path / "runs" / name / f"group_{g}" / folder) for name in ("split", "straight")
-        )
-        assert split.keys() == straight.keys() == one_job.keys()
-        assert all(torch.equal(split[k], straight[k]) for k in split), f"group {g} differs after stop + resume"
+        split = load_full_model_state(tmp_path / "runs" / "split" / f"group_{g}" / folder)
+        assert split.keys() == one_job.keys()
         for k in split:
             torch.testing.assert_close(split[k], one_job[k], rtol=1e-6, atol=1e-6, msg=f"group {g}: {k}")
 
