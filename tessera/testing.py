@@ -61,6 +61,9 @@ def _rank_entry(
             dist.destroy_process_group()
 
 
+FAILED_GRACE_S = 5.0  # beyond the collective timeout, for the ranks left when one failed to write their report
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -72,7 +75,9 @@ def run_ranks(
 
     A rank that raises makes this raise with that rank's traceback; ranks still
     running after ``timeout_s`` are killed and a TimeoutError names them
-    (a hung collective fails the test instead of hanging CI). Collectives inside the ranks
+    (a hung collective fails the test instead of hanging CI). Once a rank has failed, the
+    others get ``collective_timeout_s`` and a few seconds more to report their own errors
+    (their collectives with it time out by then), and are killed after that. Collectives inside the ranks
     time out after ``collective_timeout_s`` (default: half of ``timeout_s``).
     """
     collective_timeout_s = collective_timeout_s or timeout_s / 2
@@ -88,8 +93,10 @@ def run_ranks(
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: the others can only wait for it
+                deadline = min(deadline, time.monotonic() + collective_timeout_s + FAILED_GRACE_S)
+            next(p for p in procs if p.is_alive()).join(0.1)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

@@ -101,8 +101,9 @@ def test_bad_records_stop_with_file_and_line_or_are_skipped_and_counted(tmp_path
 
 
 def test_tessera_data_prepare_then_train_from_the_shards(tokenizer: Path, tmp_path: Path) -> None:
-    """Prepared by the CLI, trained from under ZeRO-2 on 2 ranks; stopped after step 3 and resumed, the run
-    ends at step 6 bit for bit where the straight one does (the shuffle's position is in the checkpoint)."""
+    """Prepared by the CLI, trained from under ZeRO-2 on 2 ranks (checkpoints at steps 3 and 6); resumed from
+    its step-3 checkpoint in another folder, a run ends at step 6 bit for bit where the straight one does (the
+    shuffle's position is in the checkpoint)."""
     import yaml
     from test_checkpoint import tiny_config
 
@@ -124,9 +125,13 @@ def test_tessera_data_prepare_then_train_from_the_shards(tokenizer: Path, tmp_pa
     records = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
-    cli("train", str(tmp_path / "c.yaml"), "--nproc", "2", "--set", "train.stop_at=3", "--set", "logging.run_name=s")
-    cli("train", str(tmp_path / "c.yaml"), "--nproc", "2", "--resume", "--set", "logging.run_name=s")
-    end = [load_full_model_state(tmp_path / "runs" / run / "checkpoints" / "step_00000006") for run in ("t", "s")]
+    step3 = Path("t") / "checkpoints" / "step_00000003"
+    shutil.copytree(tmp_path / "runs" / step3, tmp_path / "resumed" / step3)
+    resumed = tmp_path / "resumed"
+    cli("train", str(tmp_path / "c.yaml"), "--nproc", "2", "--resume", "--set", f"logging.out_dir={resumed}")
+    records = [json.loads(line) for line in (resumed / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]  # it did resume, from step 3
+    end = [load_full_model_state(tmp_path / run / "t" / "checkpoints" / "step_00000006") for run in ("runs", "resumed")]
     assert all(torch.equal(end[0][k], end[1][k]) for k in end[0]), "stopped and resumed, the run ended elsewhere"
 
 
