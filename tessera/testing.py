@@ -29,9 +29,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ranks fork from a server process that imported these once, instead of each importing torch afresh
+# (spawn): a 2-rank launch costs ~0.1 s instead of ~2.5 s on this 2-core machine.
+PRELOAD = ("torch", "torch.distributed", "tessera", "tessera.testing", "tessera.train.trainer")
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def _rank_entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, out_dir: str, args: tuple, timeout_s: float
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    args: tuple,
+    timeout_s: float,
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the caller's environment now, as spawn would give it (not the server's, from its start)
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -81,12 +101,15 @@ def run_ranks(
     time out after ``collective_timeout_s`` (default: half of ``timeout_s``).
     """
     collective_timeout_s = collective_timeout_s or timeout_s / 2
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as out_dir:
         procs = [
             ctx.Process(
-                target=_rank_entry, args=(fn, r, world_size, port, out_dir, args, collective_timeout_s), daemon=True
+                target=_rank_entry,
+                args=(fn, r, world_size, port, out_dir, args, collective_timeout_s, environ),
+                daemon=True,
             )
             for r in range(world_size)
         ]
