@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from testbed_cluster import TYPES, tessera
+from testbed_cluster import SEQ, TYPES, run
 
-SEQ, BATCH = 64, 24
+BATCH = 24
 MODEL = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 512, "moe": {"experts": 8, "top_k": 2}}
 SAMPLES = [2, 2, 1, 1]  # the global batch split by speed in every plan
 
@@ -46,24 +46,6 @@ def cluster_spec(link_mbit: float) -> dict:
         "device_types": {k: TYPES[k] for k in ("full", "half")},
         "links": {"inter_node": link, "inter_region": link},
     }
-
-
-def run(work: Path, name: str, plan: dict, cluster_file: Path, cpus: float, steps: int) -> float:
-    """Median step time (s) over steps 3.. of one `tessera train --testbed` run on 4 ranks."""
-    cfg = {
-        "model": MODEL,
-        "data": {"seq_len": SEQ, "max_bytes": 400_000},
-        "plan": plan,
-        "train": {"steps": steps, "global_batch_size": BATCH, "log_every": 1, "sample_bytes": 0, "timeout_s": 300},
-        "checkpoint": {"every": 0, "resume": "never"},
-        "logging": {"run_name": name, "out_dir": str(work / "runs"), "progress": False, "tensorboard": False},
-    }
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    tessera("train", str(path), "--nproc", "4", "--testbed", str(cluster_file), "--testbed-cpus", str(cpus),
-            "--overwrite")  # fmt: skip
-    records = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in records if r.get("step", 0) >= 3 and "step_time_s" in r)
 
 
 def planned_plan(spec: dict) -> tuple[Any, Any, Any, Any]:
@@ -140,7 +122,7 @@ def main() -> None:
     measured: dict[str, list[float]] = {name: [] for name in plans}
     for rep in range(args.reps):
         for name, plan in plans.items():  # interleaved
-            step = run(work, name, plan, cluster_file, args.cpus, args.steps)
+            step = run(work, name, plan, 4, cluster_file, args.cpus, args.steps, BATCH, MODEL)
             measured[name].append(step)
             print(f"rep {rep} {name:10s} {step:.3f} s/step", flush=True)
     steps = {name: statistics.median(runs) for name, runs in measured.items()}

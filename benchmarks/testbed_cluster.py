@@ -62,9 +62,9 @@ def cluster_spec(link_mbit: float, slow_pair_mbit: float = 0.0) -> dict:
     }
 
 
-def config(out_dir: Path, plan: dict, steps: int, name: str, batch: int = BATCH) -> dict:
+def config(out_dir: Path, plan: dict, steps: int, name: str, batch: int = BATCH, model: dict = MODEL) -> dict:
     return {
-        "model": MODEL,
+        "model": model,
         "data": {"seq_len": SEQ, "max_bytes": 400_000},
         "plan": plan,
         "train": {"steps": steps, "global_batch_size": batch, "log_every": 1, "sample_bytes": 0, "timeout_s": 300},
@@ -81,10 +81,18 @@ def tessera(*args: str) -> str:
 
 
 def train_records(
-    work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int, **train: Any
+    work: Path,
+    name: str,
+    plan: dict,
+    nproc: int,
+    cluster_file: Path,
+    cpus: float,
+    steps: int,
+    model: dict = MODEL,
+    **train: Any,
 ) -> list[dict]:
     """The metrics records of one `tessera train --testbed` run (``train``: more ``train:`` fields)."""
-    cfg = config(work / "runs", plan, steps, name)
+    cfg = config(work / "runs", plan, steps, name, model=model)
     cfg["train"].update(train)
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -94,10 +102,18 @@ def train_records(
 
 
 def run(
-    work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int, batch: int
+    work: Path,
+    name: str,
+    plan: dict,
+    nproc: int,
+    cluster_file: Path,
+    cpus: float,
+    steps: int,
+    batch: int,
+    model: dict = MODEL,
 ) -> float:
     """Median step time (s) over steps 3.. of one `tessera train --testbed` run."""
-    records = train_records(work, name, plan, nproc, cluster_file, cpus, steps, global_batch_size=batch)
+    records = train_records(work, name, plan, nproc, cluster_file, cpus, steps, model, global_batch_size=batch)
     return statistics.median(r["step_time_s"] for r in records if r["step"] >= 3)
 
 
