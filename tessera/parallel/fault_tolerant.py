@@ -298,7 +298,7 @@ class TorchftAcross(Across):
         return _Pending(work.wait, span)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Any:
-        from torch.distributed import AllgatherOptions
+        from torch.distributed.distributed_c10d import AllgatherOptions
 
         span = traffic.count_across_groups("all_gather", tensor.numel() * tensor.element_size(), self.size())
         started: list[Any] = []
