@@ -19,7 +19,7 @@ _EXPORTS = {
     "Auto": "tessera.presets",
     "Booster": "tessera.booster",
     "DDP": "tessera.presets",
-    "Groups": "tessera.groups",
+    "Groups": "tessera.plan.groups",
     "Hybrid": "tessera.presets",
     "NotSupportedYet": "tessera.errors",
     "PipelineSpec": "tessera.plan",
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from tessera.booster import Booster
     from tessera.distributed import init
     from tessera.errors import NotSupportedYet, PlanError
-    from tessera.groups import Groups
     from tessera.plan import PipelineSpec, Plan, Replica
+    from tessera.plan.groups import Groups
     from tessera.presets import DDP, Auto, Hybrid, ZeRO
 
 

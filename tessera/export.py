@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from tessera.checkpoint_readers import (
+from tessera.checkpoint.readers import (
     CheckpointError,
     DataOnlyFullLoadPlanner,
     DataOnlyReader,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.checkpoint_readers import CheckpointError, read_meta
+from tessera.checkpoint.readers import CheckpointError, read_meta
 from tessera.data.text import PackedText, resolve_paths
 from tessera.export import load_full_model_state, model_folders
 

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from tessera.cluster.spec import Cluster
 
 from tessera.errors import PlanError
-from tessera.groups import Groups
 from tessera.plan import PipelineSpec, Plan
+from tessera.plan.groups import Groups
 
 
 def _shares(dp_shares: Sequence[int] | None) -> tuple[int, ...] | None:

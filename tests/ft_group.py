@@ -23,9 +23,9 @@ from parity import TokenData, build_model, global_batches, loss_fn
 
 import tessera
 from tessera import traffic
-from tessera.groups import Groups
-from tessera.parallel.fault_tolerant import TorchftAcross
-from tessera.parallel.outer import OuterSync
+from tessera.across.outer import OuterSync
+from tessera.across.torchft import TorchftAcross
+from tessera.plan.groups import Groups
 
 GROUPS, GLOBAL_BATCH, H, SGD_LR, MAX_STEPS = 2, 8, 2, 0.1, 600
 SPEC = Groups(count=GROUPS, sync="diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9)

@@ -284,7 +284,7 @@ def test_crafted_state_entry_is_refused(tmp_path: Path) -> None:
     import torch
 
     from tessera.checkpoint import CheckpointError
-    from tessera.checkpoint_readers import DataOnlyLoadPlanner
+    from tessera.checkpoint.readers import DataOnlyLoadPlanner
 
     planner = DataOnlyLoadPlanner(flatten_state_dict=False)
     planner.state_dict = {}

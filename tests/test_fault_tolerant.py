@@ -22,16 +22,12 @@ import yaml
 from parity import TokenData, build_model, global_batches, loss_fn
 from test_groups import DILOCO, outer_reference
 
+from tessera.across.lighthouse import check_reachable, lighthouse_address, start_lighthouse
+from tessera.across.meet import Across
+from tessera.across.outer import OuterSync
+from tessera.across.torchft import TorchftAcross, _Done
 from tessera.errors import PlanError
-from tessera.groups import Groups
-from tessera.parallel.fault_tolerant import (
-    TorchftAcross,
-    _Done,
-    check_reachable,
-    lighthouse_address,
-    start_lighthouse,
-)
-from tessera.parallel.outer import Across, OuterSync
+from tessera.plan.groups import Groups
 from tessera.train.launch import _alive, is_rank
 
 WORKER = Path(__file__).parent / "ft_group.py"
@@ -285,7 +281,7 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
 
 
 def test_a_group_job_that_does_not_say_which_group_it_is_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tessera.parallel.fault_tolerant import group_from_env
+    from tessera.across.torchft import group_from_env
 
     monkeypatch.setenv("TESSERA_GROUP", "2")
     with pytest.raises(PlanError, match="TESSERA_GROUP='2' must be 0 to 1"):
@@ -298,7 +294,7 @@ def test_a_group_job_that_does_not_say_which_group_it_is_is_refused(monkeypatch:
 def test_groups_of_different_sizes_are_checked_against_each_job() -> None:
     from tessera import Plan
     from tessera.errors import NotSupportedYet
-    from tessera.parallel.fault_tolerant import check_group_job
+    from tessera.plan.grid import check_group_job
 
     groups = Groups(count=2, fault_tolerant=True, sizes=(2, 1))
     assert groups.uneven and groups.group_worlds(3) == [2, 1]

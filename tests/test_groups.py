@@ -18,9 +18,9 @@ from parity import TokenData, build_model, global_batches, loss_fn, plain_loop_l
 from test_checkpoint import checkpoint_tensors, ckpt, tiny_config, train_each
 
 from tessera import Plan, PlanError, ZeRO
+from tessera.across.compress import ErrorFeedback, decode, encode
 from tessera.errors import NotSupportedYet
-from tessera.groups import Groups
-from tessera.parallel.compress import ErrorFeedback, decode, encode
+from tessera.plan.groups import Groups
 from tessera.train.metrics import latest_records
 
 GLOBAL_BATCH, STEPS, GROUPS = 8, 4, 2
@@ -68,8 +68,9 @@ def unlike_groups_worker(second: str, steps: int = STEPS) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from tessera.across.meet import MeshAcross
+    from tessera.across.outer import OuterSync
     from tessera.models.policies import find_policy
-    from tessera.parallel.outer import MeshAcross, OuterSync
     from tessera.parallel.tensor import align_grad_placements, apply_tensor_parallel
 
     rank = dist.get_rank()
@@ -257,7 +258,7 @@ def train_stop_resume(root: str, plan: dict) -> list[dict]:
 
 def refusals(root: str) -> list[str]:
     """Resume ``tessera train`` runs under other groups: the errors, one per try."""
-    from tessera.checkpoint_readers import CheckpointError
+    from tessera.checkpoint.readers import CheckpointError
 
     grouped = Path(root) / "grouped"
     train_each([tiny_config(grouped, 1, 0, TRAIN_PLANS["diloco ddp int8"])])
@@ -589,7 +590,7 @@ def test_tessera_merge_judges_each_island_and_their_average_on_held_out_text(run
     """The straight DiLoCo run ends between syncs (H = 3, step 8), so its two groups hold different
     models: merge judges each on the text after what the run read, which a plain loop here agrees with,
     and their average (the mean of the weights) and ensemble (the mean of the probabilities)."""
-    from tessera.checkpoint_readers import CheckpointError
+    from tessera.checkpoint.readers import CheckpointError
     from tessera.data.text import default_corpus
     from tessera.export import load_full_model_state
     from tessera.merge import merge

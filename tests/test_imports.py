@@ -14,13 +14,29 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """Ids of the import nodes under ``if TYPE_CHECKING:``: they never run (annotations only), so they make
+    no import cycle; every other import counts, wherever it sits."""
+    return {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
+
+
 def imports() -> dict[str, set[str]]:
-    """Every tessera module and the tessera modules it imports anywhere in its body."""
+    """Every tessera module and the tessera modules it imports anywhere in its body (outside type-only blocks)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skipped = _type_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

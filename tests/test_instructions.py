@@ -135,7 +135,7 @@ LAYOUTS = {
 def _one_process(data: InstructionData) -> tuple[list[float], torch.nn.Module]:
     """Plain AdamW on one process over the sharded loader's global batches of ``data``: the mean over each
     batch's response tokens (packed sequences through their records' mask). The losses and the model."""
-    from tessera.runtime.engine import keyword_inputs
+    from tessera.runtime.microbatches import keyword_inputs
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -182,7 +182,7 @@ def test_fine_tuning_averages_over_the_global_batch_s_response_tokens_in_every_l
 def test_packed_records_share_a_sequence_but_see_only_themselves(tmp_path: Path) -> None:
     """Whole records, as many as fit, in order; each token's record and position within it; through a Hugging
     Face model, each record's logits in a packed sequence equal its logits alone."""
-    from tessera.runtime.engine import keyword_inputs
+    from tessera.runtime.microbatches import keyword_inputs
 
     path = str(_records(tmp_path / "a.jsonl"))
     alone = InstructionData([path], ByteTokenizer(), PACKED)

@@ -134,7 +134,7 @@ class InstructionData(Dataset):
     sequence, kept apart: items also carry ``documents`` (each token's record within the sequence; -1 for
     padding) and ``position_ids`` (counted from 0 in each record), from which the runtime builds the
     attention mask that stops a token attending to another record's
-    (:func:`tessera.runtime.engine.keyword_inputs`)."""
+    (:func:`tessera.runtime.microbatches.keyword_inputs`, :func:`tessera.packing.records_mask`)."""
 
     def __init__(
         self,
@@ -192,15 +192,6 @@ class InstructionData(Dataset):
         if self.documents is not None and self.positions is not None:
             item["documents"], item["position_ids"] = self.documents[i], self.positions[i]
         return item
-
-
-def records_mask(documents: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, seq, seq): a token may attend to the earlier tokens of its own record only (``documents``:
-    each token's record in its sequence, (batch, seq))."""
-    seq = documents.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    same = documents[:, :, None] == documents[:, None, :]
-    return (same & causal)[:, None]
 
 
 def _pack(pieces: list[tuple[list[int], list[bool]]], seq_len: int) -> list[list[tuple[list[int], list[bool]]]]:

@@ -9,12 +9,14 @@ overflowed.
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from tessera.checkpoint.parts import Part, Shelf
 from tessera.errors import PlanError
 from tessera.parallel.tensor import align_grad_placements
 from tessera.precision import DynamicLossScaler
@@ -68,16 +70,21 @@ class BoostedOptimizer(torch.optim.Optimizer):
         inner: Any,
         model_params: list[nn.Parameter],
         scaler: DynamicLossScaler | None = None,
+        state: Part | None = None,
     ) -> None:
+        """``state``: the inner optimizer's part of a checkpoint (:mod:`tessera.checkpoint.parts`); what
+        attaches itself later adds its own (:meth:`add_checkpoint_state`)."""
         # Deliberately no super().__init__: all state lives in ``inner``.
         self.inner = inner
         self.model_params = model_params
         self.scaler = scaler
-        self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
-        self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
+        self._optimizer_step_pre_hooks = OrderedDict()  # type: ignore[assignment]
+        # register_step_post_hook's: run after every step, skipped or not (the outer sync across Plan.groups,
+        # the experts' loss-free balancing bias)
+        self._optimizer_step_post_hooks = OrderedDict()  # type: ignore[assignment]
         self.skipped_steps = 0
-        self.outer: Any = None  # Plan.groups: an OuterSync told of every step (tessera.parallel.outer)
-        self.after_step: list[Callable[[], None]] = []  # e.g. the experts' loss-free balancing bias
+        self._parts: dict[str, Part] = {"optim": state} if state is not None else {}
+        self._shelf = Shelf()
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
@@ -103,10 +110,8 @@ class BoostedOptimizer(torch.optim.Optimizer):
                 self.skipped_steps += 1  # parameters and optimizer state stay untouched
         if not overflow:
             self.inner.step()
-        if self.outer is not None:
-            self.outer.after_inner_step()
-        for hook in self.after_step:
-            hook()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -124,6 +129,20 @@ class BoostedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+
+    def checkpoint_state(self) -> tuple[dict[str, Part], Shelf]:
+        """What a checkpoint holds of this optimizer and what is attached to it, by name, and where this rank's
+        state sits in it (:func:`tessera.checkpoint.save_checkpoint` asks)."""
+        return dict(self._parts), self._shelf
+
+    def add_checkpoint_state(self, name: str, part: Part, shelf: Shelf | None = None) -> None:
+        """Keep ``part`` in this optimizer's checkpoints under ``name``; ``shelf``: where the whole state then
+        sits (the outer sync of Plan.groups moves it into its group's folder)."""
+        if name in self._parts:
+            raise PlanError(f"the optimizer's checkpoint state already holds {name!r}.")
+        self._parts[name] = part
+        if shelf is not None:
+            self._shelf = shelf
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise PlanError("add parameter groups before boost(): the optimizer is already laid out for the Plan.")

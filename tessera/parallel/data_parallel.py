@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from tessera.across.hierarchical import Hierarchy, hierarchical_all_reduce
 from tessera.distributed import accelerator_available
-from tessera.parallel.hierarchical import Hierarchy, hierarchical_all_reduce
 from tessera.plan import Plan
 from tessera.precision import DTYPES
 
@@ -70,7 +70,7 @@ def apply_data_parallel(
     """Wrap ``model`` for the Plan's ZeRO stage over ``mesh`` (the 1-D ``dp`` mesh; None under
     Plan.replicas; 2-D (group, dp) for FSDP with every-step groups); ``blocks``: its
     :func:`repeated_blocks`, when the caller has them already; ``across``: with every-step groups,
-    the group axis DDP's gradients also cross (hierarchically, :mod:`tessera.parallel.hierarchical`);
+    the group axis DDP's gradients also cross (hierarchically, :mod:`tessera.across.hierarchical`);
     ``own``: under FSDP, ``(submodule, mesh)`` units sharded (and their gradients averaged) over a mesh of
     their own, first (experts over the ranks that hold them)."""
     blocks = blocks if blocks is not None else repeated_blocks(model)

@@ -15,7 +15,7 @@ makes it the gradient of the data-parallel mean loss; every other parameter is a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tessera.checkpoint.parts import ConvertedState, Part
 from tessera.distributed import local
 from tessera.errors import PlanError
 
@@ -166,6 +167,20 @@ def held_optimizer_state(state: dict[str, Any], uneven: dict[str, tuple[nn.Modul
             unit.num_experts,
             lambda value, u=unit, w=weight: laid_out_like(w, held_experts(local(value), u)),
         )
+
+
+def uneven_experts_state(optimizer_state: Part, model: nn.Module, names: Callable[[], dict[int, str]]) -> Part:
+    """``optimizer_state`` (a checkpoint part) as checkpoints hold it when ``model`` splits experts unevenly:
+    each uneven expert weight's per-expert state whole, every rank's rows (``names()``: parameter id → name)."""
+
+    def uneven() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+        return uneven_expert_names(model, names())
+
+    return ConvertedState(
+        optimizer_state,
+        to_saved=lambda state: whole_optimizer_state(state, uneven()),
+        to_held=lambda state: held_optimizer_state(state, uneven()),
+    )
 
 
 def _replace(state: dict[str, Any], name: str, rows: int, change: Any) -> None:

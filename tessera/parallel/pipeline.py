@@ -31,9 +31,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from tessera.data.instructions import records_mask
 from tessera.distributed import local
 from tessera.errors import NotSupportedYet, PlanError
+from tessera.packing import records_mask
 from tessera.parallel.policy import PipelineLayout
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import SCHEDULES as PLAN_SCHEDULES

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tessera.checkpoint.parts import OptimizerState
 from tessera.distributed import local
 
 
@@ -227,6 +228,21 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.local.load_state_dict(state)
+
+
+class ShardedOptimizerState(OptimizerState):
+    """A :class:`ShardedOptimizer`'s part of a checkpoint: its state made whole per parameter, keyed by name
+    (``names()``: parameter id → name, asked at each save and load), so any layout loads it."""
+
+    def __init__(self, optimizer: ShardedOptimizer, names: Callable[[], dict[int, str]]) -> None:
+        super().__init__()
+        self.optimizer, self.names = optimizer, names
+
+    def save(self) -> dict[str, Any]:
+        return self.optimizer.full_state_dict(self.names())
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_full_state_dict(state, self.names())
 
 
 def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

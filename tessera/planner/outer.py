@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 
 from tessera.cluster.spec import Cluster, Node
 from tessera.errors import PlanError
-from tessera.groups import Groups
 from tessera.plan import Plan
+from tessera.plan.groups import Groups
 from tessera.planner.costs import ModelCosts
 from tessera.planner.search import Candidate, search
 

@@ -2,8 +2,9 @@
 
 An engine owns one way of running a Plan: the whole model per rank (:mod:`.flat`), a grid of
 pipeline stages (:mod:`.pipelined`), or replicas of different depth (:mod:`.replicated`). The
-Booster resolves the Plan, picks the engine and delegates; a new kind of layout (an outer
-synchronisation across regions, expert parallelism) is a new engine, not a new branch.
+Booster picks the engine (:func:`tessera.runtime.engine_for`) and delegates; a new way of running a
+step is a new engine, not a new branch. (What happens between ``Plan.groups`` is not a way of running a
+step: it attaches itself to the optimizer, :mod:`tessera.across.membership`.)
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tessera import distributed
-from tessera.data.instructions import records_mask
+from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.parallel import data_parallel
-from tessera.parallel.pipeline import check_microbatches
+from tessera.parallel.experts import uneven_expert_groups
+from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.policy import Policy
+from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import Plan
 from tessera.precision import DynamicLossScaler
 from tessera.runtime.hooks import Hooks
 from tessera.runtime.meshes import Meshes
-
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+from tessera.runtime.microbatches import LossFn, forward_only
 
 
 @dataclass
@@ -50,6 +52,21 @@ class Context:
     # layers whose own loss reaches the gradient inside the backward (experts' balance loss): they take the
     # multiplier the runtime gives the batch loss (share weight, micro-batch fraction, fp16 scale)
     weighted_layers: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def for_rank(cls, plan: Plan, device: torch.device, hooks: Hooks, loss_weight: float) -> Context:
+        """This rank's context for a resolved ``plan`` (meshes built on first use, no model yet)."""
+        return cls(
+            plan=plan,
+            rank=dist.get_rank(),
+            device=device,
+            meshes=Meshes(plan, device),
+            hooks=hooks,
+            policy=None,
+            missing_policy=lambda feature: PlanError(feature),
+            scaler=DynamicLossScaler() if plan.precision == "fp16" else None,
+            loss_weight=loss_weight,
+        )
 
     def require_policy(self, feature: str) -> Policy:
         if self.policy is None:
@@ -98,6 +115,15 @@ class Engine:
         """This rank's part of ``model``, laid out; ``names``: every name of each parameter, in model order."""
         raise NotImplementedError
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``Booster.backward``: the loss's backward, weighted and scaled (refused where it is not enough)."""
+        if not self.plain_backward:
+            raise PlanError(
+                "Plan.replicas trains through booster.execute_pipeline(batch, model, loss_fn, optimizer), which "
+                "also averages each layer's gradient over its holders; booster.backward alone would not."
+            )
+        self.ctx.backward(loss)
+
     def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
         """Forward and backward of this rank's batch over the Plan's micro-batches; the mean loss."""
         raise NotImplementedError
@@ -105,6 +131,18 @@ class Engine:
     def evaluate(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
         """Forward only, over the Plan's micro-batches: the mean loss of this rank's batch."""
         return forward_only(self.ctx, inputs, target, model, loss_fn)
+
+    def evaluate_batch(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
+        """:meth:`evaluate` with the model in eval mode, then as it was, and resharded: ZeRO-2 keeps gathered
+        parameters after a forward for the backward, which reshards them; with no backward they would stay
+        whole, and the next checkpoint would not find the optimizer's shards."""
+        was_training = model.training
+        model.eval()
+        try:
+            return self.evaluate(inputs, target, model, loss_fn)
+        finally:
+            model.train(was_training)
+            data_parallel.reshard(model)
 
     def grad_group(self) -> dist.ProcessGroup | None:
         """The group that averages gradients (ZeRO-1 shards the optimizer state over it)."""
@@ -134,71 +172,37 @@ class Engine:
         dist.all_reduce(value, group=self.ctx.meshes.grad.get_group())
         return value
 
+    def token_mean_scale(self, target: torch.Tensor, ignore_index: int) -> float:
+        """What makes a micro-batch's summed loss this rank's part of the mean over every counted token of the
+        global batch (:meth:`tessera.Booster.token_mean_scale`): one all-reduce of a count."""
+        count = (local(target) != ignore_index).sum().to(torch.float64).reshape(1)
+        total = float(self.sum_over_data(count))
+        if total == 0:
+            raise PlanError("token_mean_scale: the global batch has no counted token (every target is ignored).")
+        return self.ctx.plan.pipeline.microbatches * self.data_ranks() / (self.ctx.loss_weight * total)
 
-def _chunks(inputs: Any, n: int) -> list[Any]:
-    """``inputs`` (a tensor, or a dict of keyword inputs) cut into ``n`` micro-batches along dim 0."""
-    if isinstance(inputs, dict):
-        return [dict(zip(inputs, parts)) for parts in zip(*(value.chunk(n) for value in inputs.values()))]
-    return list(inputs.chunk(n))
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip ``model``'s gradients by their global norm over every shard; that norm (before clipping), or
+        inf when fp16 gradients overflowed (the step will be skipped)."""
+        params = list(model.parameters())
+        align_grad_placements(params)
+        if self.ctx.scaler is not None and self.ctx.scaler.unscale_(params):
+            return torch.tensor(float("inf"))
+        across, uncounted = self.norm_groups()
+        split = uneven_expert_groups(model)
+        return clip_grads_(params, max_norm, norm_type, across=across, uncounted=set(uncounted), split=split)
 
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    return model(**keyword_inputs(inputs)) if isinstance(inputs, dict) else model(inputs)
-
-
-def _rows(inputs: Any) -> int:
-    return next(iter(inputs.values())).shape[0] if isinstance(inputs, dict) else inputs.shape[0]
-
-
-def accumulate(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
-    """Micro-batches as gradient accumulation (no pipeline): synchronise on the last one only."""
-    n = ctx.plan.pipeline.microbatches
-    check_microbatches(_rows(inputs), n)
-    total = torch.zeros((), device=target.device)
-    for i, (x, y) in enumerate(zip(_chunks(inputs, n), target.chunk(n))):
-        with data_parallel.no_sync(model) if i < n - 1 else contextlib.nullcontext():
-            with ctx.loss_parallel():
-                loss = loss_fn(_call(model, x), y)
-            ctx.backward(loss, fraction=1 / n)
-        total += distributed.local(loss.detach()).float()
-    return total / n
-
-
-@torch.no_grad()
-def forward_only(ctx: Context, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
-    """Micro-batches forward (no pipeline): the mean loss, nothing kept for a backward."""
-    n = ctx.plan.pipeline.microbatches
-    check_microbatches(_rows(inputs), n)
-    total = torch.zeros((), device=target.device)
-    for x, y in zip(_chunks(inputs, n), target.chunk(n)):
-        with ctx.loss_parallel():
-            total += distributed.local(loss_fn(_call(model, x), y)).float()
-    return total / n
-
-
-def inputs_and_target(batch: Any) -> tuple[Any, torch.Tensor]:
-    """Split a batch into (inputs, target): a pair, or a dict with x/input_ids and y/labels. A dict that also
-    has ``documents`` (packed records) gives them with the tokens and positions (:func:`keyword_inputs` makes
-    a model's keyword inputs of them; a pipeline passes them from stage to stage)."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, dict):
-        x = next((batch[k] for k in ("x", "input_ids") if k in batch), None)
-        y = next((batch[k] for k in ("y", "labels") if k in batch), None)
-        if x is not None and y is not None:
-            if "documents" in batch:
-                return {"input_ids": x, "position_ids": batch["position_ids"], "documents": batch["documents"]}, y
-            return x, y
-    keys = f" (keys: {', '.join(map(str, batch))})" if isinstance(batch, dict) else ""
-    raise PlanError(
-        f"execute_pipeline needs batches of (inputs, target) or dicts with 'x'/'input_ids' and 'y'/'labels', "
-        f"got {type(batch).__name__}{keys}."
-    )
-
-
-def keyword_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Hugging Face model's keyword inputs: packed records' ``documents`` become their attention mask."""
-    if "documents" not in inputs:
-        return inputs
-    rest = {k: v for k, v in inputs.items() if k != "documents"}
-    return {**rest, "attention_mask": records_mask(inputs["documents"])}
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model``'s full, unsharded parameters and buffers on the CPU, keyed like the original model
+        (every stage's, when this rank holds part of it; every rank gets them all)."""
+        out = {}
+        for key, value in data_parallel.unwrap(model).state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            out[key] = value.detach().to("cpu", copy=True)
+        group = self.state_group()
+        if group is not None:
+            parts: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(group))]
+            dist.all_gather_object(parts, out, group=group)
+            out = {k: v for part in parts for k, v in part.items()}
+        return out

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.runtime.engine import Engine, LossFn, accumulate
+from tessera.runtime.engine import Engine, LossFn
+from tessera.runtime.microbatches import accumulate
 from tessera.runtime.parallelize import enable_ulysses, parallelize
 
 

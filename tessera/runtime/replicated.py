@@ -14,7 +14,8 @@ from torch import nn
 from tessera.errors import PlanError
 from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model
 from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
-from tessera.runtime.engine import Context, Engine, LossFn, accumulate, forward_only
+from tessera.runtime.engine import Context, Engine, LossFn
+from tessera.runtime.microbatches import accumulate, forward_only
 from tessera.runtime.parallelize import parallelize
 from tessera.runtime.pipelined import announce_stages, run_schedule
 

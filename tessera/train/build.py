@@ -38,7 +38,7 @@ def base_record(cfg: Config) -> dict[str, str]:
 
 def check_base_of(checkpoint: Path, cfg: Config) -> None:
     """Refuse a checkpoint holding LoRA adapters alone unless ``cfg`` reads the base they were trained on."""
-    from tessera.checkpoint_readers import CheckpointError, read_meta
+    from tessera.checkpoint.readers import CheckpointError, read_meta
     from tessera.models.pretrained import check_same_base
 
     meta = read_meta(checkpoint)

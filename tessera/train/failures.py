@@ -26,7 +26,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tessera.checkpoint_readers import CheckpointError
+from tessera.checkpoint.readers import CheckpointError
 from tessera.errors import PlanError, RuntimeFault
 from tessera.inputs import InputError
 from tessera.train.config import ConfigError

@@ -21,15 +21,15 @@ import subprocess
 import sys
 import time
 
-from tessera.groups import Groups
-from tessera.lifetime import dies_with_parent, termination_unwinds
-from tessera.parallel.fault_tolerant import (
+from tessera.across.lighthouse import (
     GROUP_ENV,
     LIGHTHOUSE_ENV,
     check_reachable,
     lighthouse_address,
     start_lighthouse,
 )
+from tessera.lifetime import dies_with_parent, termination_unwinds
+from tessera.plan.groups import Groups
 from tessera.train.config import Config, ConfigError
 from tessera.train.launch import Launch, launch
 

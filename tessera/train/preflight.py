@@ -8,17 +8,14 @@ directory's owner, and the cluster file of ``--emulate``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from tessera.data.sharding import split_batch
 from tessera.errors import PlanError
 from tessera.inputs import check_output_dir
-from tessera.parallel.fault_tolerant import check_group_job
-from tessera.plan import V_SCHEDULES, Plan
+from tessera.plan import V_SCHEDULES, Plan, grid
 from tessera.train.config import Config, ConfigError, load_config, plan_from_config
 
 # Bytes per parameter a rank holds besides the weights it builds: fp32 gradients and Adam's two moments.
@@ -70,22 +67,9 @@ def check_memory(cfg: Config, plan, nproc: int) -> None:
 
 
 def _resolved(plan: Plan, world: int, global_batch: int, group: int | None) -> Plan:
-    """``plan`` resolved for the launch, its batch split checked. Fault-tolerant groups are separate jobs:
-    each group's layout is resolved on its own ranks (``world`` is group ``group``'s alone when given)."""
-    groups = plan.groups
-    if groups is None or not groups.fault_tolerant:
-        resolved = plan.resolve(world)
-        split_batch(global_batch, resolved.shares())
-        return resolved
-    jobs = [(group, world)] if group is not None else list(enumerate(groups.group_worlds(world)))
-    per_group = split_batch(global_batch, groups.group_shares())
-    for g, ranks in jobs:
-        if not 0 <= g < groups.count:
-            raise PlanError(f"--group {g} is not one of the {groups.count} groups (0 to {groups.count - 1}).")
-        resolved = dataclasses.replace(plan, groups=None).resolve(ranks)
-        check_group_job(groups, g, resolved, ranks)
-        split_batch(per_group[g], resolved.shares())
-    return resolved
+    """``plan`` resolved for the launch, its batch split checked (:func:`tessera.plan.grid.launch_jobs`: each
+    fault-tolerant group's job on its own ranks; ``world`` is group ``group``'s alone when given)."""
+    return grid.launch_jobs(plan, world, global_batch, group)[-1].plan
 
 
 def check_training(

@@ -212,7 +212,6 @@ class Trainer:
         self.losses: list[float] = []
         self.traffic = {link: traffic.LinkTraffic() for link in traffic.LINKS}  # the job's, over the steps run
         self.reported_step = 0
-        self.syncs_reported = 0  # outer syncs already in metrics.jsonl (fault-tolerant groups)
 
     def _restore(self, path: Path | None = None) -> Path | None:
         """Continue from ``path``, or from this run's newest complete checkpoint, if there is one."""
@@ -233,7 +232,7 @@ class Trainer:
         """A fault-tolerant group's job asked to resume (``--resume``) with no checkpoint of its own yet: it
         starts from the newest checkpoint of the run it is a group of (``RUN_DIR``, one model trained
         before the plan had groups: a warm start), as groups in one job do. None when there is none."""
-        if not (self.booster.fault_tolerant and self.cfg.checkpoint.resume == "auto"):
+        if not (self.booster.membership.fault_tolerant and self.cfg.checkpoint.resume == "auto"):
             return None
         path = latest_checkpoint(self.cfg.run_dir.parent / "checkpoints")
         if path is not None and self.rank0:
@@ -354,13 +353,13 @@ class Trainer:
     def _follow_the_groups(self) -> bool:
         """Under fault-tolerant Plan.groups a group that came back takes a live group's step count at its
         first outer sync: move the data, the schedule and the step to it. True when it moved."""
-        outer = getattr(self.optimizer, "outer", None)
-        if not self.booster.fault_tolerant or outer is None or outer.step == self.step:
+        step = self.booster.membership.inner_step
+        if not self.booster.membership.fault_tolerant or step is None or step == self.step:
             return False
         if self.rank0:
-            print(f"group {self.booster.group_index} rejoined: took step {outer.step} from a live group "
+            print(f"group {self.booster.group_index} rejoined: took step {step} from a live group "
                   f"(was at {self.step})", flush=True)  # fmt: skip
-        self.step = outer.step
+        self.step = step
         self.epoch, self.batch_in_epoch = divmod(self.step, len(self.loader))
         self.schedule.last_epoch = self.step - 1
         self.schedule.step()  # the learning rate of that step
@@ -411,7 +410,7 @@ class Trainer:
             record["peak_tensor_bytes_per_rank"] = per_rank_peaks
         if held_out is not None:  # TensorBoard and the loss plot take them from here
             record["val_loss"], record["val_perplexity"] = held_out, math.exp(min(held_out, 80.0))
-        if syncs := self._new_outer_syncs():
+        if syncs := self.booster.membership.new_syncs():
             record["outer_syncs"] = syncs
         if self.job_peak:
             record["mfu"] = record["achieved_tflops"] / self.job_peak
@@ -439,16 +438,6 @@ class Trainer:
             self.crowded_reports = 0
         losses = [float(layer.balance_loss) for layer in self.experts]
         return {"tokens_per_expert": routed, "balance_loss": sum(losses) / len(losses)}
-
-    def _new_outer_syncs(self) -> list[dict[str, Any]]:
-        """Under fault-tolerant Plan.groups, each outer sync since the last record: the groups in its
-        quorum, whether this group healed from another, whether it committed."""
-        outer = getattr(self.optimizer, "outer", None)
-        syncs = getattr(getattr(outer, "across", None), "syncs", None)
-        if not syncs:
-            return []
-        new, self.syncs_reported = syncs[self.syncs_reported :], len(syncs)
-        return list(new)
 
     def _peak_bytes(self) -> contextlib.AbstractContextManager[list[int]]:
         """Peak tensor bytes of one step on this rank (train.measure_memory_at)."""

@@ -13,7 +13,7 @@ that are alive at each outer sync:
 - a sync that a group fails in the middle of is dropped by every group (torchft's ``should_commit``):
   they continue from the weights they agreed on before it.
 
-torchft's int8 kernels need Triton on a GPU; Tessera compresses itself (:mod:`tessera.parallel.compress`)
+torchft's int8 kernels need Triton on a GPU; Tessera compresses itself (:mod:`tessera.across.compress`)
 and only moves bytes through torchft's process group. Each quorum may rebuild that process group, so
 no transfer may be in flight at a quorum: Streaming DiLoCo's ``delay`` is below the steps between two
 fragments' syncs, so a fragment lands (and its sync is committed or dropped) before the next one's quorum.
@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -39,16 +37,14 @@ import torch
 import torch.distributed as dist
 
 from tessera import traffic
-from tessera.errors import NotSupportedYet, PlanError
-from tessera.groups import Groups
-from tessera.parallel.outer import Across, OuterSync
-from tessera.plan import Plan
+from tessera.across.heal import heal_state, load_heal_state, load_slot_heal_state, slot_heal_state
+from tessera.across.lighthouse import GROUP_ENV, LIGHTHOUSE_ENV, check_reachable
+from tessera.across.meet import Across
+from tessera.across.outer import OuterSync
+from tessera.errors import PlanError
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-GROUP_ENV = "TESSERA_GROUP"  # which of Plan.groups this job is (tessera train sets it)
 TIMEOUT_ENV = "TESSERA_FT_TIMEOUT_S"
 MAX_DROPPED_SYNCS = 5  # in a row
-JOIN_TIMEOUT_MS = 3_600_000
 
 
 def group_from_env(count: int) -> int:
@@ -83,77 +79,6 @@ class _Pending:
             self.finish = None
             traffic.finish(self.span)
         return True
-
-
-def check_group_job(groups: Groups, group: int, plan: Plan, world: int) -> None:
-    """This job's ranks against ``groups.sizes``, and an inner layout (``plan``, resolved) that groups which
-    differ can sync in canonical slots: replicas or shards of every parameter on every rank."""
-    if groups.sizes is not None and groups.sizes[group] != world:
-        raise PlanError(
-            f"Plan.groups.sizes[{group}]={groups.sizes[group]} but group {group}'s job has {world} ranks: launch "
-            f"{groups.sizes[group]} (tessera train gives each group its size) or change the sizes."
-        )
-    if groups.differ and (plan.ulysses_size > 1 or plan.replicas is not None):
-        raise NotSupportedYet(
-            "Plan.groups: groups that differ in size or layout meet in canonical slots of the whole model; lay "
-            "them out with data parallelism, ZeRO, tensor or pipeline parallelism (sequence parallelism and "
-            "replicas of different depth inside them are not supported yet)."
-        )
-
-
-def check_reachable(lighthouse: str, timeout_s: float = 5.0) -> None:
-    """Refuse a Lighthouse address that nothing answers on, before torchft would wait on it."""
-    parsed = urllib.parse.urlparse(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
-    if not parsed.hostname or not parsed.port:
-        raise PlanError(
-            f"the Lighthouse address {lighthouse!r} needs a host and a port, e.g. http://10.0.0.1:29510 "
-            "(`tessera lighthouse` prints its own)."
-        )
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise PlanError(
-            f"the Lighthouse at {lighthouse} cannot be reached ({exc.strerror or exc}): start it first "
-            f"(`tessera lighthouse --bind {parsed.hostname}:{parsed.port}`) or give its address in {LIGHTHOUSE_ENV}."
-        ) from None
-
-
-def start_lighthouse(
-    bind: str = "127.0.0.1:0",
-    min_groups: int = 1,
-    join_timeout_ms: int = JOIN_TIMEOUT_MS,
-    heartbeat_timeout_ms: int = 5000,
-) -> Any:
-    """A torchft Lighthouse listening on ``bind`` (``host:port``; port 0: any free one). Its
-    ``address()`` is what every group's Manager dials; ``shutdown()`` stops it.
-
-    ``min_groups``: the fewest groups a quorum may have; ``heartbeat_timeout_ms``: how long a silent
-    group counts as alive (then the others carry on without it); ``join_timeout_ms``: how long a quorum
-    waits for a group that is alive but not at the sync yet. DiLoCo's groups meet every H steps and may
-    differ in speed by far more than torchft's default second, so by default they wait for each other
-    (an hour); a group that dies stops heartbeating and is left out within ``heartbeat_timeout_ms``."""
-    from torchft._torchft import LighthouseServer
-
-    host, _, port = bind.rpartition(":")
-    if not host or not port.isdigit():
-        raise PlanError(f"the Lighthouse's bind address {bind!r} must be host:port, e.g. 127.0.0.1:29510.")
-    try:
-        server = LighthouseServer(
-            bind=bind,
-            min_replicas=min_groups,
-            join_timeout_ms=join_timeout_ms,
-            heartbeat_timeout_ms=heartbeat_timeout_ms,
-        )
-    except Exception as exc:  # torchft's Rust server: a port in use, an address not on this machine
-        raise PlanError(f"the Lighthouse cannot listen on {bind} ({exc}): give a free port of this machine.") from None
-    return server
-
-
-def lighthouse_address(server: Any, bind: str) -> str:
-    """The address groups dial: the bound host (torchft advertises the machine's name) and its port."""
-    port = urllib.parse.urlparse(server.address()).port
-    return f"http://{bind.rpartition(':')[0]}:{port}"
 
 
 class TorchftAcross(Across):
@@ -236,11 +161,11 @@ class TorchftAcross(Across):
             if outer.canonical:
                 self.taken = state  # made pieces in begin(), by every rank of the group
             else:
-                outer.load_heal_state(state)
+                load_heal_state(outer, state)
             self.healed = True
 
         def serve() -> dict[str, Any]:  # torchft sends it to the group coming back: counted as sent across
-            state = self.served if outer.canonical else outer.heal_state()
+            state = self.served if outer.canonical else heal_state(outer)
             traffic.finish(traffic.count_across_groups("whole", traffic.tensor_bytes(state), 2))
             return state
 
@@ -258,7 +183,7 @@ class TorchftAcross(Across):
         self.healed, self.taken = False, None
         groups = 0
         if self.outer is not None and self.outer.canonical:
-            self.served = self.outer.slot_heal_state()  # every rank of the group: a sharded one gathers
+            self.served = slot_heal_state(self.outer)  # every rank of the group: a sharded one gathers
         if self.manager is not None:
             if self.outer is not None:
                 # torchft heals the groups whose step is behind the quorum's highest. Its own count starts at 0
@@ -274,12 +199,12 @@ class TorchftAcross(Across):
             shape = None if taken is None else {
                 "step": taken["step"], "due": taken["due"], "momentum": ["momentum" in f for f in taken["fragments"]]
             }  # fmt: skip
-            self.outer.load_slot_heal_state(taken, self._from_rank0(shape))
+            load_slot_heal_state(self.outer, taken, self._from_rank0(shape))
         elif healed and self.extra:  # the ranks past the slots take the state rank 0 just took
             assert self.outer is not None
-            state = self._from_rank0(self.outer.heal_state() if self.rank == 0 else None)
+            state = self._from_rank0(heal_state(self.outer) if self.rank == 0 else None)
             if self.manager is None:
-                self.outer.load_heal_state(state)
+                load_heal_state(self.outer, state)
         self.healed = healed
         self.syncs.append({"groups": groups, "healed": healed})
         return not healed

@@ -6,7 +6,7 @@ whole job (dp, ZeRO, tp, uneven shares); across groups, ``sync`` says how they m
 
 - ``every_step``: synchronous training, the gradients averaged over every group at every step,
   hierarchically: reduced inside each group, only a slice per rank across groups, then gathered
-  inside (:mod:`tessera.parallel.hierarchical`).
+  inside (:mod:`tessera.across.hierarchical`).
 - ``diloco`` (Douillard et al., 2023): each group takes ``inner_steps`` (H) steps with its own
   optimizer; then the groups average their parameter change since the last sync (the outer
   gradient) and an outer optimizer, SGD with Nesterov momentum by default (lr 0.7, momentum 0.9),
@@ -20,17 +20,17 @@ whole job (dp, ZeRO, tp, uneven shares); across groups, ``sync`` says how they m
 - ``none``: isolated islands that never meet (merge their checkpoints afterwards).
 
 ``compression`` (``bf16``, ``int8`` or ``int4``, with error feedback) shrinks what DiLoCo and
-Streaming DiLoCo send (:mod:`tessera.parallel.compress`).
+Streaming DiLoCo send (:mod:`tessera.across.compress`).
 
 ``shares`` splits each global batch over the groups (samples, as ``dp_shares`` does inside one).
 
 ``fault_tolerant``: each group is its own job and they meet through torchft's quorum, so a group that
 fails does not stop the others and one that comes back takes their state
-(:mod:`tessera.parallel.fault_tolerant`; ``tessera train`` starts a Lighthouse and one job per group).
+(:mod:`tessera.across.torchft`; ``tessera train`` starts a Lighthouse and one job per group).
 Such groups may differ in size (``sizes``: ranks per group, e.g. a region of 8 and one of 4) and in
 layout (``layouts``: per group, the Plan fields it sets for itself, e.g. ZeRO-3 in the small region,
 pipeline stages in another and plain data parallelism in the big one). Groups that differ sync
-through as many ranks as the smallest has, in canonical slots (:class:`tessera.parallel.outer.OuterSync`).
+through as many ranks as the smallest has, in canonical slots (:mod:`tessera.across.slots`).
 
 Example:
     >>> plan = Plan(zero=2, groups=Groups(count=2, sync="diloco", inner_steps=50))
@@ -40,12 +40,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from tessera.errors import PlanError, nearest
 from tessera.inputs import as_tuple, shown
+from tessera.plan import grid
+from tessera.plan.checks import check_bool, finite_number, positive_int
 
 SYNCS = ("every_step", "diloco", "streaming", "none")
 PIPELINE_FIELDS = ("microbatches", "stages", "schedule")
@@ -96,7 +97,7 @@ def _inner_layout(value: Any, where: str) -> InnerLayout:
     return InnerLayout(**{k: as_tuple(v) for k, v in value.items()})
 
 
-COMPRESSIONS = ("none", "bf16", "int8", "int4")  # tessera.parallel.compress
+COMPRESSIONS = ("none", "bf16", "int8", "int4")  # tessera.across.compress
 MAX_GROUPS = 1 << 16
 MAX_INNER_STEPS = 1 << 24
 
@@ -131,21 +132,20 @@ class Groups:
                 )
             layouts = tuple(_inner_layout(v, f"Plan.groups.layouts[{i}]") for i, v in enumerate(self.layouts))
             object.__setattr__(self, "layouts", layouts)
-        _positive_int("groups.count", self.count, MAX_GROUPS)
+        positive_int("groups.count", self.count, MAX_GROUPS)
         if self.sync not in SYNCS:
             raise PlanError(
                 f"Plan.groups.sync={self.sync!r} is not one of {', '.join(SYNCS)}{nearest(str(self.sync), SYNCS)}."
             )
-        _positive_int("groups.inner_steps", self.inner_steps, MAX_INNER_STEPS)
-        _number("groups.outer_lr", self.outer_lr, positive=True)
-        _number("groups.outer_momentum", self.outer_momentum)
+        positive_int("groups.inner_steps", self.inner_steps, MAX_INNER_STEPS)
+        finite_number("groups.outer_lr", self.outer_lr, positive=True)
+        finite_number("groups.outer_momentum", self.outer_momentum)
         if not self.outer_momentum < 1:
             raise PlanError(f"Plan.groups.outer_momentum must be in [0, 1), got {self.outer_momentum}.")
-        if not isinstance(self.nesterov, bool):
-            raise PlanError(f"Plan.groups.nesterov must be true or false, got {shown(self.nesterov)}.")
+        check_bool("groups.nesterov", self.nesterov)
         if self.nesterov and self.outer_momentum == 0:
             raise PlanError("Plan.groups.nesterov=true needs outer_momentum > 0 (Nesterov is a kind of momentum).")
-        _positive_int("groups.fragments", self.fragments, MAX_INNER_STEPS)
+        positive_int("groups.fragments", self.fragments, MAX_INNER_STEPS)
         if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 0:
             raise PlanError(f"Plan.groups.delay must be a whole number of inner steps >= 0, got {shown(self.delay)}.")
         if self.sync != "streaming" and (self.fragments != 1 or self.delay):
@@ -180,8 +180,7 @@ class Groups:
                 f"Plan.groups.sizes={list(self.sizes or ())} differ: groups of different sizes run as separate jobs, "
                 "so set fault_tolerant: true (or make the sizes equal)."
             )
-        if not isinstance(self.fault_tolerant, bool):
-            raise PlanError(f"Plan.groups.fault_tolerant must be true or false, got {shown(self.fault_tolerant)}.")
+        check_bool("groups.fault_tolerant", self.fault_tolerant)
         if self.fault_tolerant and self.sync not in ("diloco", "streaming"):
             raise PlanError(
                 f"Plan.groups.fault_tolerant=true meets the groups at DiLoCo's outer syncs; sync: {self.sync} has "
@@ -212,20 +211,8 @@ class Groups:
         return self.layouts[group].fields() if self.layouts is not None else {}
 
     def group_worlds(self, ranks: int) -> list[int]:
-        """Ranks of each group when ``ranks`` are launched for all of them (refused when they do not fit)."""
-        if self.sizes is not None:
-            if sum(self.sizes) != ranks:
-                raise PlanError(
-                    f"Plan.groups.sizes={list(self.sizes)} make {sum(self.sizes)} ranks but {ranks} were launched: "
-                    f"launch {sum(self.sizes)} or change the sizes."
-                )
-            return list(self.sizes)
-        if ranks % self.count:
-            raise PlanError(
-                f"Plan.groups.count={self.count} does not divide the {ranks} ranks: groups are equal, so launch a "
-                f"multiple of {self.count} ranks or change the count."
-            )
-        return [ranks // self.count] * self.count
+        """Ranks of each group when ``ranks`` are launched for all of them (:func:`tessera.plan.grid.group_worlds`)."""
+        return grid.group_worlds(self, ranks)
 
 
 def _per_group(name: str, values: Any, count: int, what: str) -> None:
@@ -235,16 +222,4 @@ def _per_group(name: str, values: Any, count: int, what: str) -> None:
     if not isinstance(values, tuple) or len(values) != count:
         raise PlanError(f"Plan.groups.{name} must list {what}, got {shown(values)}.")
     for i, value in enumerate(values):
-        _positive_int(f"groups.{name}[{i}]", value, MAX_INNER_STEPS)
-
-
-def _positive_int(name: str, value: Any, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-        raise PlanError(f"Plan.{name} must be an integer from 1 to {maximum}, got {shown(value)}.")
-
-
-def _number(name: str, value: Any, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PlanError(f"Plan.{name} must be a finite number, got {shown(value)}.")
-    if value < 0 or (positive and value == 0):
-        raise PlanError(f"Plan.{name} must be {'> 0' if positive else '>= 0'}, got {value}.")
+        positive_int(f"groups.{name}[{i}]", value, MAX_INNER_STEPS)
