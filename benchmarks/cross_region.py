@@ -192,9 +192,9 @@ def sync_check(work: Path) -> dict[str, dict[str, float]]:
     syncs minus the median step that does not (steps 3.. of every seed); for every-step sync, the
     hierarchical step minus DiLoCo H=50's median step that does not sync."""
     from tessera.cluster.spec import Cluster
+    from tessera.config import parse_config
     from tessera.planner.outer import sync_seconds
     from tessera.train.build import build_model
-    from tessera.train.config import parse_config
 
     cluster = Cluster.from_dict(cluster_spec())
     predict = sync_seconds(cluster, [[cluster.nodes[0]], [cluster.nodes[1]]])

@@ -1,6 +1,6 @@
 """Planned vs uniform vs drop-the-slow-devices on an emulated 4-device cluster (speeds 1, 1, ½, ¼).
 
-Four local CPU ranks play the devices of a cluster file (``tessera.cluster.emulate``): every
+Four local CPU ranks play the devices of a cluster file (``tessera.testbed.emulate``): every
 transformer block sleeps so that it takes ``slowdown`` times this CPU's compute, ``slowdown`` =
 time_scale × (fastest peak / device peak). EMULATED: the numbers are about scheduling work over
 devices of different speed, not about any real GPU.
@@ -94,7 +94,7 @@ def train_worker(plan_dict: dict, steps: int) -> dict:
     import torch.distributed as dist
 
     import tessera
-    from tessera.cluster.emulate import hooks_from_environment
+    from tessera.testbed.emulate import hooks_from_environment
 
     torch.set_num_threads(1)
     hooks = hooks_from_environment()

@@ -2,7 +2,7 @@
 
 One "big" device (speed 1, ample memory) and two "small" ones (speed ¼, too little memory for
 the whole model, enough for half of it), played by three local CPU ranks
-(``tessera.cluster.emulate``; EMULATED: the numbers are about scheduling work over devices of
+(``tessera.testbed.emulate``; EMULATED: the numbers are about scheduling work over devices of
 different speed and memory, not about any real GPU). Same model, data, calibration and timing
 rules as ``benchmarks/emulated_cluster.py``. Three plans, interleaved, ``--reps`` times each:
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from tessera.train.launch import is_rank
+from tessera.launch.jobs import is_rank
 
 LAYOUTS = {
     "zero2": {"preset": "zero", "zero": 2},

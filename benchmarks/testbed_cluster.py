@@ -7,7 +7,7 @@ namespace joined to the others by veth pairs shaped with ``tc tbf`` (``--link-mb
 
 1. ``tessera cluster profile --testbed`` measures every rank's device (the model's blocks,
    AdamW's memory speed) and every link. The planner plans from that live profile, not from the
-   cluster file's declared speeds (``tessera.planner.live_profile``).
+   cluster file's declared speeds (``tessera.planner.live``).
 2. Three plans run in turn (interleaved, ``--reps`` times each) through the real launcher:
    *planned* (the planner's best from the live profile, which may leave devices out), *uniform*
    (DDP, equal shares on all four devices) and *drop slow* (DDP on the two fast devices only, at
@@ -136,7 +136,8 @@ def profile_testbed(
     """Write the testbed's cluster and model files, run `tessera cluster profile --testbed` on them and
     read the measured cluster and costs the planner and the predictors use."""
 
-    from tessera.planner.live_profile import LiveProfile, relative_speeds
+    from tessera.planner.live.inputs import relative_speeds
+    from tessera.planner.live.records import LiveProfile
 
     work = Path(tempfile.mkdtemp(prefix=prefix))
     spec = cluster_spec(link_mbit, slow_pair_mbit)
@@ -160,10 +161,10 @@ def measured_inputs(model_file: Path, spec: dict, live: Any) -> tuple[Any, Any, 
     import torch
 
     from tessera.cluster.spec import Cluster
+    from tessera.config import load_config
     from tessera.planner import ModelCosts
-    from tessera.planner.live_profile import measured_cluster, measured_costs
+    from tessera.planner.live.inputs import measured_cluster, measured_costs
     from tessera.train.build import build_model
-    from tessera.train.config import load_config
 
     with torch.device("meta"):
         model = build_model(load_config(str(model_file), []))

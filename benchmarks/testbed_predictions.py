@@ -148,7 +148,7 @@ def main() -> None:
 
 def predict_rows(rows: dict[str, dict], cluster: Any, costs: Any) -> dict:
     """Both predictors' figures and errors into every row (in place); returns the summary."""
-    from tessera.train.config import PlanConfig, plan_from_config
+    from tessera.config import PlanConfig, plan_from_config
 
     for name, row in rows.items():
         row.update(predict(plan_from_config(PlanConfig(**row["plan"])), cluster, costs))
@@ -188,7 +188,7 @@ def repredict(path: Path) -> None:
 
     import yaml
 
-    from tessera.planner.live_profile import LiveProfile
+    from tessera.planner.live.records import LiveProfile
 
     stored = json.loads(path.read_text())
     work = Path(tempfile.mkdtemp(prefix="testbed-repredict-"))

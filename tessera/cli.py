@@ -10,7 +10,7 @@
 
 Every failure prints one ``tessera: error: ...`` paragraph. Exit codes: 2 bad input, 3 a collective
 timed out (a rank died or hung), 4 a runtime fault (out of memory, disk full, a crashed rank),
-130 interrupted (see :mod:`tessera.train.failures`).
+130 interrupted (see :mod:`tessera.launch.failures`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from tessera.inputs import check_output_file
-from tessera.train.failures import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME_FAULT
+from tessera.launch.failures import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME_FAULT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,245 +47,6 @@ def _count(minimum: int):
         return value
 
     return parse
-
-
-def _plan_check(args: argparse.Namespace) -> int:
-    from tessera.plan import Plan
-
-    plan = Plan.load(args.file).resolve(args.world_size)
-    print(plan.to_yaml(), end="")
-    print(f"# valid for {args.world_size} ranks")
-    return 0
-
-
-def _plan(args: argparse.Namespace) -> int:
-    """Plan a training config's model on a cluster: table, Plan file, picture."""
-    import torch
-
-    from tessera.cluster.spec import Cluster
-    from tessera.planner import ModelCosts, plan_for
-    from tessera.planner.draw import draw
-    from tessera.planner.precision import choose_precision
-    from tessera.train.build import build_model
-    from tessera.train.config import load_config, plan_from_config
-
-    if not (args.model and args.cluster and args.global_batch):
-        raise ValueError("tessera plan needs --model CONFIG.yaml --cluster CLUSTER.yaml --global-batch N.")
-    cfg = load_config(args.model, [])
-    cluster = Cluster.load(args.cluster)
-    check_output_file(args.out, "--out", force=True)  # plan files are outputs: rewritten, but must be writable
-    check_output_file(args.png, "--png", force=True)
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = build_model(cfg)
-    requested = args.precision or plan_from_config(cfg.plan).precision
-    precision, precision_note = choose_precision(cluster, requested, args.pin_precision)
-    costs = ModelCosts.from_model(model, cfg.data.seq_len, precision)
-    if args.profile:  # plan from what `tessera cluster profile` measured, not from declared figures
-        from tessera.planner.live_profile import LiveProfile, measured_cluster, measured_costs
-
-        live = LiveProfile.load(args.profile)
-        cluster, costs = measured_cluster(cluster, live), measured_costs(live, costs)
-    found = plan_for(
-        cluster, model, args.global_batch, precision=precision, top=args.top, costs=costs, pin_precision=True
-    )  # the precision is settled above (with its note on the best candidate when it was chosen)
-    print(
-        f"{len(found)} best plans for {costs.name} ({costs.source} costs, seq {costs.seq_len}, {costs.precision}) "
-        f"on {cluster.world_size} devices, global batch {args.global_batch}:"
-    )
-    print(
-        f"{'#':>2} {'s/step':>9} {'tokens/s':>11} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'mb':>3} "
-        f"{'recompute':>9} {'mem':>5}  placement / bottleneck"
-    )
-    for i, c in enumerate(found):
-        p, e = c.plan, c.estimate
-        fullest = max(m.total / m.capacity for m in e.memory)
-        own = p.groups is not None and p.groups.layouts is not None  # each group its own layout: lines below
-        dp, pp = (len(p.replicas), "mix") if p.replicas else ("-", "-") if own else (p.dp, p.pp)
-        tp, zero, mb, rc = ("-",) * 4 if own else (p.tp, p.zero, p.pipeline.microbatches, p.recompute)
-        print(
-            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {dp:>3} {tp:>3} {pp:>3} {zero:>4} "
-            f"{mb:>3} {rc:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
-        )
-        if own:
-            assert p.groups is not None
-            for g in range(p.groups.count):
-                q = p.group_plan(g)
-                print(
-                    f"{'':>3} group {g}: {(p.groups.sizes or ())[g]} ranks, {(p.groups.shares or ())[g]} samples: "
-                    f"tp{q.tp} pp{q.pp} ZeRO-{q.zero} m{q.pipeline.microbatches} recompute {q.recompute}, shares "
-                    f"{q.dp_shares or 'even'}"
-                )  # fmt: skip
-        if p.replicas:
-            print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
-        elif not own and (p.dp_shares or p.pipeline.stages):
-            print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
-        if p.ep > 1:
-            held = list(p.expert_shares) if p.expert_shares else "evenly"
-            print(f"{'':>3} experts over ep={p.ep} ranks, held {held}")
-        if p.groups is not None:  # dp, tp and the shares above are each group's
-            g = p.groups
-            every = f"every {g.inner_steps} steps" + (f", {g.fragments} fragments in turn" if g.fragments > 1 else "")
-            print(
-                f"{'':>3} groups: {g.count} (a region each), sync {g.sync}"
-                + ("" if g.sync == "every_step" else f" {every}")
-            )
-    best = found[0]
-    for line in ([precision_note] if precision_note else []) + list(best.notes):
-        print(f"note: {line}")
-    _print_launch(best.plan, cluster, args.out)
-    best.plan.save(args.out)
-    print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
-    print(f"wrote {draw(best, cluster, costs, args.png)}")
-    return 0
-
-
-CONSOLE_LAUNCH_NODES = 4  # more nodes than this: one line per node in a file, a summary on the console
-
-
-def _print_launch(plan, cluster, out: str) -> None:
-    """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn. Up to a few
-    nodes on the console; more in ``<out>.launch.txt``, one torchrun command per node."""
-    from tessera.planner.layout import ranks_of
-
-    if len(cluster.nodes) == 1:
-        return
-    if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
-        from tessera.planner.outer import regions_of
-
-        lines = [
-            f"group {g} (region {nodes[0].region}: {', '.join(n.name for n in nodes[:3])}"
-            f"{', ...' if len(nodes) > 3 else ''}; {len(nodes)} node(s)): tessera train CONFIG --group {g} "
-            f"--lighthouse http://HOST:PORT --nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
-            for g, nodes in enumerate(regions_of(cluster))
-        ]
-        print(
-            "launch plan 0 as one job per group: start `tessera lighthouse --bind HOST:PORT` on one machine, then\n  "
-            + "\n  ".join(lines)
-        )
-        return
-    devices = cluster.devices()
-    order: list[str] = []
-    for rank in range(ranks_of(plan, cluster)):
-        node = devices[plan.device_of(rank)][0]
-        if not order or order[-1] != node:
-            order.append(node)
-    lines = [
-        f"{node}: torchrun --nnodes {len(order)} --node-rank {k} --nproc-per-node {cluster.node(node).count}"
-        for k, node in enumerate(order)
-    ]
-    if len(order) <= CONSOLE_LAUNCH_NODES:
-        print("launch plan 0 with torchrun, one command per node:\n  " + "\n  ".join(lines))
-        return
-    path = Path(out).with_suffix(".launch.txt")
-    check_output_file(str(path), "the launch file", force=True)
-    path.write_text("\n".join(lines) + "\n")
-    print(
-        f"launch plan 0 on {len(order)} nodes ({ranks_of(plan, cluster)} ranks) with torchrun: one command per "
-        f"node in {path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1})"
-    )
-
-
-def _train(args: argparse.Namespace) -> int:
-    from tessera.train.config import plan_from_config
-    from tessera.train.launch import Launch, launch
-    from tessera.train.preflight import check_training
-
-    if args.emulate:  # read by every rank's Booster (tessera.cluster.emulate)
-        from tessera.cluster.spec import Cluster
-
-        Cluster.load(args.emulate)
-        os.environ["TESSERA_EMULATE"] = str(Path(args.emulate).resolve())
-    if args.testbed and (args.emulate or args.nnodes > 1 or args.rdzv_endpoint):
-        raise ValueError(
-            "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
-        )
-    cfg = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group)
-    rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
-    if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank
-        from tessera.train.run import main as run_main
-
-        return run_main(rank_args)
-    groups = plan_from_config(cfg.plan).groups
-    if groups is not None and groups.fault_tolerant:  # one job per group, meeting through torchft
-        from tessera.train import group_jobs
-
-        if args.testbed or args.emulate:
-            raise ValueError(
-                "fault-tolerant plan.groups runs a job per group: --testbed and --emulate do not support it yet."
-            )
-        if args.group is not None:
-            return group_jobs.launch_one_group(args, cfg, rank_args)
-        if args.nnodes > 1 or args.rdzv_endpoint:
-            raise ValueError(
-                "fault-tolerant plan.groups on several machines: start `tessera lighthouse`, then launch each group "
-                "with --group G --lighthouse ADDRESS."
-            )
-        return group_jobs.launch_groups_here(args, groups)
-    if args.group is not None:
-        raise ValueError("--group launches one group of plan.groups with fault_tolerant: true; this config has none.")
-    job = Launch(
-        rank_args,
-        cfg.run_dir,
-        nproc=args.nproc,
-        nnodes=args.nnodes,
-        max_restarts=args.max_restarts,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        local_addr=args.local_addr,
-    )
-    if args.testbed:
-        plan = plan_from_config(cfg.plan).resolve(job.nproc)
-        devices = [plan.device_of(r) for r in range(job.nproc)]
-        return _launch_on_testbed(job, args.testbed, devices, args.testbed_cpus, plan.precision)
-    return launch(job)
-
-
-def _launch_on_testbed(job, cluster_file: str, devices: list[int], cpus: float | None, precision: str) -> int:
-    """Launch ``job`` with rank ``r`` in the CPU cgroup and network namespace of cluster device ``devices[r]``."""
-    from tessera.cluster.spec import Cluster
-    from tessera.testbed import Testbed
-    from tessera.train.launch import launch
-
-    with Testbed(Cluster.load(cluster_file), devices, cpus, precision) as bed:
-        print(bed.describe(), file=sys.stderr)
-        job.testbed_seats, job.testbed_master_addr = bed.seats_file, bed.master_addr
-        code = launch(job)
-        if traffic := bed.link_traffic():
-            print(f"testbed {bed.name} links:\n{traffic}", file=sys.stderr)
-        return code
-
-
-def _cluster_profile(args: argparse.Namespace) -> int:
-    """Launch one rank per cluster device to measure devices and links; rank 0 writes the live profile."""
-    from tessera.cluster.spec import Cluster
-    from tessera.train.config import load_config, plan_from_config
-    from tessera.train.launch import Launch, launch
-
-    cluster = Cluster.load(args.cluster)
-    cfg = load_config(args.config, [])
-    nproc = args.nproc or cluster.world_size // args.nnodes
-    if nproc * args.nnodes != cluster.world_size:
-        raise ValueError(
-            f"a profile needs one rank per device: the cluster file has {cluster.world_size} devices, the launch "
-            f"{nproc * args.nnodes} ranks ({args.nnodes} node(s) x {nproc}); fix --nproc/--nnodes."
-        )
-    check_output_file(args.out, "--out", args.force)
-    out = Path(args.out).resolve()
-    job = Launch(
-        [str(Path(args.config).resolve()), str(Path(args.cluster).resolve()), str(out)] + ["--quick"] * args.quick,
-        out.parent,
-        nproc=nproc,
-        nnodes=args.nnodes,
-        rdzv_endpoint=args.rdzv_endpoint,
-        local_addr=args.local_addr,
-        module="tessera.train.profile_run",
-    )
-    if args.testbed:
-        if args.nnodes > 1:
-            raise ValueError("--testbed plays the cluster on this one machine: drop --nnodes with it.")
-        precision = plan_from_config(cfg.plan).precision
-        return _launch_on_testbed(job, args.cluster, list(range(nproc)), args.testbed_cpus, precision)
-    return launch(job)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -325,7 +86,9 @@ def _cluster(args: argparse.Namespace) -> int:
     from tessera.cluster.spec import Cluster
 
     if args.cluster_command == "profile":
-        return _cluster_profile(args)
+        from tessera.launch.commands import cluster_profile
+
+        return cluster_profile(args)
     if args.cluster_command == "detect":
         from tessera.cluster.detect import describe, detect
 
@@ -506,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cluster":
             return _cluster(args)
         if args.command == "lighthouse":
-            from tessera.train.group_jobs import serve_lighthouse
+            from tessera.launch.group_jobs import serve_lighthouse
 
             return serve_lighthouse(args.bind, args.min_groups, args.heartbeat_timeout_s, args.join_timeout_s)
         if args.command == "testbed":
@@ -518,8 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")
-            return _train(args)
-        return _plan_check(args) if args.plan_command == "check" else _plan(args)
+            from tessera.launch.commands import train
+
+            return train(args)
+        from tessera.planner import command as planning
+
+        return planning.check_plan_file(args) if args.plan_command == "check" else planning.plan(args)
     except KeyboardInterrupt:
         print("tessera: error: interrupted.", file=sys.stderr)
         return EXIT_INTERRUPTED

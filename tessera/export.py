@@ -127,10 +127,10 @@ def copy_tokenizer(source: Path, out_dir: Path) -> None:
 def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
     """The model of a checkpoint that holds LoRA adapters alone: the base read from ``model.pretrained``
     (checked to be the one they were trained on), the adapters from the checkpoint."""
-    from tessera.models.pretrained import load_into, materialize, source_of
-    from tessera.train.build import build_model, check_base_of
+    from tessera.models.pretrained import check_base_of, load_into, materialize, source_of
+    from tessera.train.build import build_model
 
-    check_base_of(checkpoint_root(path), cfg)
+    check_base_of(checkpoint_root(path), cfg.model.pretrained)
     model = build_model(cfg)  # the base on meta, then read from its files
     materialize(model, torch.device("cpu"))
     load_into(model, source_of(model))
@@ -147,9 +147,9 @@ def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
 
 def export_hf(path: str | Path, out_dir: str | Path) -> Path:
     """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
+    from tessera.config import parse_config
     from tessera.models.lora import merged
     from tessera.train.build import build_model
-    from tessera.train.config import parse_config
 
     meta = read_meta(checkpoint_root(path))
     if "config" not in meta:

@@ -71,13 +71,13 @@ def islands(checkpoints: list[str | Path]) -> list[tuple[str, dict[str, torch.Te
 
 def held_out(checkpoint: str | Path, eval_bytes: int) -> PackedText:
     """The text after what the checkpoint's run trained on: same files, from its ``data.max_bytes`` on."""
-    from tessera.train.config import parse_config
+    from tessera.config import parse_config
 
     meta = read_meta(checkpoint)
     if "config" not in meta:
         raise CheckpointError(f"checkpoint '{checkpoint}' records no training config: its held-out text is unknown.")
     cfg = parse_config(meta["config"], source=f"the config stored in '{checkpoint}'")
-    from tessera.train.build import tokenizer_for
+    from tessera.models.described import tokenizer_for
 
     if cfg.data.prepared:
         raise CheckpointError(
@@ -96,8 +96,8 @@ def held_out(checkpoint: str | Path, eval_bytes: int) -> PackedText:
 
 
 def _model(checkpoint: str | Path) -> nn.Module:
+    from tessera.config import parse_config
     from tessera.train.build import build_model
-    from tessera.train.config import parse_config
 
     config = parse_config(read_meta(checkpoint)["config"], source=f"the config in '{checkpoint}'")
     return build_model(config, weights=False)  # the checkpoint's weights are loaded into it

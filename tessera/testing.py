@@ -119,7 +119,9 @@ def run_ranks(
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
             if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: the others can only wait for it
                 deadline = min(deadline, time.monotonic() + collective_timeout_s + FAILED_GRACE_S)
-            next(p for p in procs if p.is_alive()).join(0.1)
+            alive = [p for p in procs if p.is_alive()]  # the last may end between the check above and here
+            if alive:
+                alive[0].join(0.1)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

@@ -147,8 +147,8 @@ def test_corrupted_checkpoint_is_refused(trained_run: Path) -> None:
 def test_shipped_example_configs_validate(tmp_path: Path) -> None:
     """Every example validates; the fine-tuning one names the user's own model and data, so those two paths
     are set to a saved model and a jsonl file made here."""
+    from tessera.config import load_config
     from tessera.models import hf
-    from tessera.train.config import load_config
 
     examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
     assert len(examples) >= 3
@@ -166,7 +166,7 @@ def test_every_field_of_the_plan_is_a_config_key_and_arrives() -> None:
     set to a value other than its default comes through the config unchanged, and the same
     holds for the Hybrid preset's pass-through fields."""
     import tessera
-    from tessera.train.config import parse_config, plan_from_config
+    from tessera.config import parse_config, plan_from_config
 
     rich = tessera.Plan(
         dp=2, tp=2, pp=2, sp=2, ep=2, sp_mode="split_gather", zero=1, offload=True, precision="bf16", dp_shares=(3, 1),
@@ -189,7 +189,7 @@ def test_every_field_of_the_plan_is_a_config_key_and_arrives() -> None:
 
 def test_every_plan_field_of_the_config_reaches_the_plan() -> None:
     """plan_from_config once dropped plan.sp silently; every field must arrive."""
-    from tessera.train.config import parse_config, plan_from_config
+    from tessera.config import parse_config, plan_from_config
 
     section = {
         "tp": 2,
@@ -225,8 +225,8 @@ def resume_from(checkpoint: str) -> None:
 
     import tessera
     from tessera.checkpoint import load_checkpoint
+    from tessera.config import parse_config
     from tessera.train.build import build_model, build_optimizer
-    from tessera.train.config import parse_config
 
     cfg = parse_config(with_change("logging.out_dir", "unused"))
     model = build_model(cfg)

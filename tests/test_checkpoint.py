@@ -10,8 +10,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tessera.checkpoint import latest_checkpoint
+from tessera.config import parse_config
 from tessera.testing import run_ranks
-from tessera.train.config import parse_config
 
 
 def tiny_config(

@@ -14,8 +14,8 @@ from parity import GLOBAL_BATCH_DEFAULT, build_model, check_cases, loss_fn
 
 from tessera import Auto
 from tessera.cluster import Cluster
-from tessera.cluster.emulate import EmulatedOutOfMemory, EmulationHooks, Emulator
 from tessera.planner import plan_for
+from tessera.testbed.emulate import EmulatedOutOfMemory, EmulationHooks, Emulator
 
 SPEEDS = {
     "nodes": [

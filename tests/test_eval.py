@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import yaml
 from test_checkpoint import tiny_config
 
-from tessera.train.config import ConfigError, parse_config
+from tessera.config import ConfigError, parse_config
 
 
 def test_eval_every_logs_the_held_out_loss_of_the_trained_model_under_a_pipeline(tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ def test_eval_without_held_out_data_or_with_too_little_is_refused(tmp_path: Path
     config = tiny_config(tmp_path, 4, 4, {"preset": "ddp"})
     with pytest.raises(ConfigError, match="eval.every=2 evaluates on held-out sequences: set data.validation"):
         parse_config({**config, "eval": {"every": 2}})
-    from tessera.train.trainer import split_validation
+    from tessera.data.held_out import split_validation
 
     with pytest.raises(ConfigError, match="holds out 5 of the data's 100 sequences, but each side needs a global"):
         split_validation(list(range(100)), 0.05, 8)
@@ -80,8 +80,8 @@ def _evaluate_under_a_v_schedule() -> str:
 
 
 def test_evaluation_under_a_v_schedule_is_refused_by_name(tmp_path: Path) -> None:
+    from tessera.launch.preflight import check_training
     from tessera.testing import run_ranks
-    from tessera.train.preflight import check_training
 
     said = run_ranks(_evaluate_under_a_v_schedule, 2, timeout_s=120)
     assert all("schedule 'zbv_zero_bubble' are not supported yet" in s for s in said), said

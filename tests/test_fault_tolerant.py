@@ -27,8 +27,8 @@ from tessera.across.meet import Across
 from tessera.across.outer import OuterSync
 from tessera.across.torchft import TorchftAcross, _Done
 from tessera.errors import PlanError
+from tessera.launch.jobs import _alive, is_rank
 from tessera.plan.groups import Groups
-from tessera.train.launch import _alive, is_rank
 
 WORKER = Path(__file__).parent / "ft_group.py"
 H, DIE_AT = 2, 3  # group 1 crashes after the sync at step 2, in the middle of the next window
@@ -442,7 +442,7 @@ def test_killing_tessera_train_stops_every_group_torchrun_and_rank(tmp_path: Pat
         assert len(ranks()) == 2, tree  # a rank per group is up
         group1 = next(pid for pid, c in tree.items() if "--group 1" in c and "tessera.cli" in c)
         below1 = _descendants(group1)
-        assert any("tessera.train.torchrun" in c for c in below1.values()), below1
+        assert any("tessera.launch.torchrun" in c for c in below1.values()), below1
         os.kill(group1, 9)
         assert not _gone(below1, 40), "group 1's torchrun or rank outlived its SIGKILLed job"
         os.kill(launcher.pid, 9)

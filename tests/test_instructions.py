@@ -103,7 +103,7 @@ def _model() -> torch.nn.Module:
 
 
 def _tessera_sft(plan_dict: dict, path: str, pack: bool = False, seq: int = SEQ) -> dict:
-    from tessera.train.trainer import response_token_loss
+    from tessera.train.step import response_token_loss
 
     data = InstructionData([path], ByteTokenizer(), seq, pack=pack)
     booster = tessera.Booster(tessera.Plan.from_dict(plan_dict))
@@ -219,8 +219,8 @@ def test_packed_fine_tuning_matches_one_process_in_every_layout(tmp_path: Path) 
     import yaml
     from test_checkpoint import tiny_config
 
-    from tessera.train.config import ConfigError
-    from tessera.train.preflight import check_training
+    from tessera.config import ConfigError
+    from tessera.launch.preflight import check_training
 
     config = tiny_config(tmp_path / "runs", 4, 4, {"preset": "ddp"})  # the reference Llama: no mask argument
     config["data"] = {"instructions": [path], "pack": True, "seq_len": PACKED}

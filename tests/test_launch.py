@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tessera.launch.failures import EXIT_BAD_INPUT, EXIT_COLLECTIVE_TIMEOUT, EXIT_RUNTIME_FAULT, RankReport
+from tessera.launch.jobs import Launch, _environment, _root_cause, _torchrun_command
 from tessera.testing import run_ranks
-from tessera.train.failures import EXIT_BAD_INPUT, EXIT_COLLECTIVE_TIMEOUT, EXIT_RUNTIME_FAULT, RankReport
-from tessera.train.launch import Launch, _environment, _root_cause, _torchrun_command
 
 
 def _listening_addresses() -> list[str]:
@@ -79,7 +79,7 @@ def test_several_machines_rendezvous_store_listens_on_the_endpoint_address_only(
     from one bound everywhere (0.0.0.0)."""
     from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
 
-    from tessera.train.torchrun import bound_c10d_handler
+    from tessera.launch.torchrun import bound_c10d_handler
 
     bound = _rendezvous_listeners(bound_c10d_handler, "tessera-c10d", "127.0.0.2:0")
     assert bound == ["127.0.0.2"], bound
@@ -107,7 +107,7 @@ def _explained(tmp_path: Path, reports: list[RankReport], vanished: set[tuple[in
     import json
     from dataclasses import asdict
 
-    from tessera.train.launch import Watcher, _explain
+    from tessera.launch.jobs import Watcher, _explain
 
     folder = tmp_path / "job"
     folder.mkdir()
@@ -137,7 +137,7 @@ def test_the_command_line_reaches_the_launch(tmp_path: Path, monkeypatch) -> Non
     import yaml
     from test_bad_input import GOOD
 
-    import tessera.train.launch as launch_module
+    import tessera.launch.jobs as launch_module
     from tessera.cli import main
 
     jobs: list[Launch] = []

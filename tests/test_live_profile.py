@@ -12,15 +12,9 @@ from parity import build_model
 from tessera.cluster.spec import Cluster
 from tessera.errors import PlanError
 from tessera.planner import ModelCosts, plan_for
-from tessera.planner.live_profile import (
-    LinkMeasurement,
-    LiveProfile,
-    RankMeasurement,
-    burst_from_push,
-    measured_cluster,
-    measured_costs,
-    relative_speeds,
-)
+from tessera.planner.live.inputs import measured_cluster, measured_costs, relative_speeds
+from tessera.planner.live.measure import burst_from_push
+from tessera.planner.live.records import LinkMeasurement, LiveProfile, RankMeasurement
 from tessera.planner.profile import Profile, profile_model
 
 CLUSTER = {
@@ -209,7 +203,8 @@ def test_tensor_parallel_overhead_is_what_the_pair_measured_beyond_compute_share
     from dataclasses import replace
 
     from tessera.cluster.spec import Link
-    from tessera.planner.live_profile import TensorParallelMeasurement, tensor_parallel_overhead
+    from tessera.planner.live.inputs import tensor_parallel_overhead
+    from tessera.planner.live.records import TensorParallelMeasurement
 
     analytic = ModelCosts.from_model(build_model("llama:4"), 16)
     costs = measured_costs(live, analytic)
@@ -240,7 +235,8 @@ def test_fsdp_overhead_is_what_a_real_pair_measured_beyond_its_gathers_and_reduc
     from dataclasses import replace
 
     from tessera.cluster.spec import Link
-    from tessera.planner.live_profile import FsdpPairMeasurement, fsdp_unit_overhead
+    from tessera.planner.live.inputs import fsdp_unit_overhead
+    from tessera.planner.live.records import FsdpPairMeasurement
 
     analytic = ModelCosts.from_model(build_model("llama:4"), 16)
     gloo = replace(live, backend="gloo", ranks=[replace(r, fsdp_unit_s=1e-4) for r in live.ranks])
@@ -266,7 +262,7 @@ def test_the_activations_tp_keeps_whole_come_from_the_pairs_peaks(live: LiveProf
     from tessera.plan import Plan
     from tessera.planner.costmodel import device_memory
     from tessera.planner.layout import layout_from_plan
-    from tessera.planner.live_profile import TensorParallelMeasurement
+    from tessera.planner.live.records import TensorParallelMeasurement
 
     analytic = ModelCosts.from_model(build_model("llama:4"), 16)
     pair = TensorParallelMeasurement("a", (0, 1), {2: 0.1}, {2: 0.1}, 1000, 700)
@@ -285,7 +281,7 @@ def test_the_activations_tp_keeps_whole_come_from_the_pairs_peaks(live: LiveProf
 def tensor_parallel_pair_worker() -> object:
     import torch.distributed as dist
 
-    from tessera.planner.live_profile import measure_tensor_parallel
+    from tessera.planner.live.measure import measure_tensor_parallel
 
     group = dist.new_group([0, 1])
     return measure_tensor_parallel(build_model("llama:4"), 16, torch.device("cpu"), "a", (0, 1), group,
@@ -295,14 +291,14 @@ def tensor_parallel_pair_worker() -> object:
 def fsdp_pair_worker() -> object:
     import torch.distributed as dist
 
-    from tessera.planner.live_profile import measure_fsdp_pair
+    from tessera.planner.live.measure import measure_fsdp_pair
 
     group = dist.new_group([0, 1])
     return measure_fsdp_pair(build_model("llama:4"), 16, torch.device("cpu"), "a", (0, 1), group, 1, 0.0)
 
 
 def comm_overlap_worker() -> float:
-    from tessera.planner.live_profile import measure_comm_overlap
+    from tessera.planner.live.measure import measure_comm_overlap
 
     return measure_comm_overlap(torch.device("cpu"), nbytes=1 << 20, repeats=2)
 

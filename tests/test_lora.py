@@ -86,8 +86,8 @@ def test_what_tensor_parallel_adapters_cannot_do_is_refused_by_name(lora: dict, 
 def test_lora_dropout_under_tensor_parallelism_is_refused_before_launch(tmp_path: Path) -> None:
     from test_checkpoint import tiny_config
 
-    from tessera.train.config import ConfigError
-    from tessera.train.preflight import check_training
+    from tessera.config import ConfigError
+    from tessera.launch.preflight import check_training
 
     config = tiny_config(tmp_path / "runs", 2, 2, {"tp": 2}, kind="hf_llama")
     config["model"]["lora"] = {"dropout": 0.1}
@@ -107,8 +107,8 @@ def test_pretrained_lora_checkpoints_the_adapters_alone_resumes_them_and_exports
     from transformers import AutoModelForCausalLM
 
     from tessera.export import load_full_model_state
+    from tessera.launch.preflight import check_training
     from tessera.models import hf
-    from tessera.train.preflight import check_training
 
     torch.manual_seed(0)
     original = hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=260, seq_len=32)

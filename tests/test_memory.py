@@ -111,7 +111,7 @@ def test_the_loss_bytes_the_cost_model_counts_are_what_cross_entropy_allocates(p
     from tessera.models.llama import Llama, LlamaConfig
     from tessera.planner.costs import ModelCosts
     from tessera.precision import DTYPES
-    from tessera.train.trainer import next_token_loss
+    from tessera.train.step import next_token_loss
 
     vocab, seq, samples = 512, 32, 4
     with torch.device("meta"):

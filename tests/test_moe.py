@@ -141,8 +141,8 @@ def test_tessera_train_refuses_an_ep_the_experts_cannot_take_before_launch(tmp_p
     from test_checkpoint import tiny_config
     from transformers import MixtralConfig
 
-    from tessera.train.config import ConfigError
-    from tessera.train.preflight import check_training
+    from tessera.config import ConfigError
+    from tessera.launch.preflight import check_training
 
     MixtralConfig(hidden_size=32, num_attention_heads=4, num_local_experts=6).save_pretrained(tmp_path / "mixtral")
     mixtral = {"kind": "hf_config", "hf_config": str(tmp_path / "mixtral")}

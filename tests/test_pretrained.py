@@ -174,8 +174,8 @@ def test_tessera_train_loads_a_pretrained_directory_and_exports_it_back(tmp_path
 def test_a_pretrained_config_that_cannot_work_is_refused_before_anything_runs(saved: Path, tmp_path: Path) -> None:
     from test_checkpoint import tiny_config
 
+    from tessera.config import ConfigError, parse_config
     from tessera.train.build import build_model as build_from_config
-    from tessera.train.config import ConfigError, parse_config
 
     def config(**model) -> dict:
         base = tiny_config(tmp_path, 2, 2, {"preset": "ddp"})

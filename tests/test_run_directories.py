@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tessera.checkpoint import latest_checkpoint, run_checkpoints
-from tessera.train.config import ConfigError
+from tessera.config import ConfigError
+from tessera.launch.rundir import RUN_FILE, decide
 from tessera.train.metrics import MetricsLog, latest_records
-from tessera.train.rundir import RUN_FILE, decide
 
 
 def fake_checkpoint(run_dir: Path, step: int, run_id: str | None) -> Path:

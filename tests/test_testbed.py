@@ -161,7 +161,7 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     both): every rank confirms its seat with the kernel, and the profile's link is the shaped one."""
     from test_bad_input import GOOD
 
-    from tessera.planner.live_profile import LiveProfile
+    from tessera.planner.live.records import LiveProfile
 
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(CLUSTER))

@@ -11,11 +11,11 @@ import torch
 from local_tokenizer import END, train_tokenizer
 from test_checkpoint import tiny_config
 
+from tessera.config import ConfigError, parse_config
 from tessera.data.text import ByteTokenizer, PackedText, default_corpus
 from tessera.data.tokenizer import HFTokenizer, load_tokenizer
 from tessera.inputs import InputError
 from tessera.train.build import build_model
-from tessera.train.config import ConfigError, parse_config
 
 
 @pytest.fixture(scope="module")

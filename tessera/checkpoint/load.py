@@ -34,7 +34,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     """Load model and optimizer state (any layout) from ``path``; return the trainer state."""
     path = Path(path)
     meta = read_meta(path)
-    parts, shelf = training_state(optimizer)
+    parts, shelf = training_state(model, optimizer)
     folder = shelf.folder_to_read(path, meta)
     metadata = _read_metadata(folder)
     saved: dict[str, set[str]] = {}  # the checkpoint's keys under each part, less the part's name

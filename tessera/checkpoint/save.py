@@ -22,20 +22,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from tessera import faults
 from tessera.checkpoint.files import dir_name, latest_checkpoint, run_checkpoints
-from tessera.checkpoint.parts import Part, Shelf
-from tessera.checkpoint.readers import CheckpointError, errors_within
+from tessera.checkpoint.parts import Part, Shelf, TorchOptimizerState
+from tessera.checkpoint.readers import errors_within
 from tessera.checkpoint.storable import to_storable
 from tessera.errors import RuntimeFault
 
 
-def training_state(optimizer: Any) -> tuple[dict[str, Part], Shelf]:
-    """The parts (by name) and the shelf of the optimizer ``booster.boost()`` returned (a BoostedOptimizer)."""
-    try:
+def training_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Part], Shelf]:
+    """The parts (by name) and the shelf of ``optimizer``: what the one ``booster.boost()`` returned holds
+    (:meth:`~tessera.optim.wrapper.BoostedOptimizer.checkpoint_state`); a plain torch optimizer over
+    ``model`` holds its own state alone, in the checkpoint's root."""
+    if hasattr(optimizer, "checkpoint_state"):
         return optimizer.checkpoint_state()
-    except AttributeError:
-        raise CheckpointError(
-            f"checkpoints take the optimizer booster.boost() returned, got {type(optimizer).__name__}."
-        ) from None
+    return {"optim": TorchOptimizerState(model, optimizer)}, Shelf()
 
 
 def model_options(frozen: bool) -> StateDictOptions:
@@ -64,7 +63,7 @@ def save_checkpoint(
     root = Path(root)
     final, tmp = root / dir_name(step), root / (dir_name(step) + ".tmp")
     rank = dist.get_rank()
-    parts, shelf = training_state(optimizer)
+    parts, shelf = training_state(model, optimizer)
     try:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash

@@ -32,6 +32,7 @@ from tessera.data.records import BadRecords, json_objects
 from tessera.inputs import InputError
 
 IGNORED = -100  # F.cross_entropy's ignore_index: not counted in the loss
+HANDED_ENV = "TESSERA_INSTRUCTIONS_FILE"  # the records the launcher tokenized, handed to its ranks
 ROLES = ("system", "user", "assistant")
 
 
@@ -187,11 +188,38 @@ class InstructionData(Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
+    # The launcher tokenizes every record before launch (to name a bad one then); its ranks read the result
+    # instead of tokenizing again (HANDED_ENV names the file).
+    def save(self, path: str | Path, key: str) -> None:
+        """Write the tokenized records to ``path``, marked with ``key`` (what they were made from)."""
+        fields = {"x": self.x, "y": self.y, "documents": self.documents, "positions": self.positions}
+        torch.save({"key": key, "truncated": self.truncated, "skipped": self.skipped, **fields}, path)
+
+    @classmethod
+    def saved(cls, path: str | Path, key: str) -> InstructionData | None:
+        """The records :meth:`save` wrote to ``path``, or None when it holds none made from ``key``."""
+        try:
+            stored = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, ValueError):
+            return None
+        if not isinstance(stored, dict) or stored.get("key") != key:
+            return None
+        data = cls.__new__(cls)
+        data.x, data.y, data.documents, data.positions = (stored[k] for k in ("x", "y", "documents", "positions"))
+        data.truncated, data.skipped = stored["truncated"], stored["skipped"]
+        return data
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = {"x": self.x[i], "y": self.y[i]}
         if self.documents is not None and self.positions is not None:
             item["documents"], item["position_ids"] = self.documents[i], self.positions[i]
         return item
+
+
+def records_key(data: Any, pretrained: str | None) -> str:
+    """What a tokenized set of records is made from: a config's ``data`` section and its pretrained model
+    (whose tokenizer it may be)."""
+    return json.dumps({"data": data.model_dump(mode="json"), "pretrained": pretrained}, sort_keys=True)
 
 
 def _pack(pieces: list[tuple[list[int], list[bool]]], seq_len: int) -> list[list[tuple[list[int], list[bool]]]]:

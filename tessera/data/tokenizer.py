@@ -122,3 +122,4 @@ def load_tokenizer(spec: str | None, pretrained: str | None = None) -> ByteToken
             )
         return _hf_tokenizer(str((Path(pretrained) / "tokenizer.json").resolve()))
     return _hf_tokenizer(str(tokenizer_file(spec).resolve()))
+

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tessera.checkpoint.readers import CheckpointError, read_meta
 from tessera.inputs import InputError
 from tessera.models.lora import base_name
 
@@ -131,6 +132,22 @@ def fingerprint(path: str | Path) -> str:
             f.seek(max(size - sample, 0))
             digest.update(f.read(sample))
     return digest.hexdigest()[:16]
+
+
+def base_record(pretrained: str) -> dict[str, str]:
+    """What a checkpoint holding LoRA adapters alone records of their base, the ``pretrained`` directory."""
+    return {"pretrained": pretrained, "fingerprint": fingerprint(pretrained)}
+
+
+def check_base_of(checkpoint: Path, pretrained: str | None) -> None:
+    """Refuse a checkpoint holding LoRA adapters alone unless ``pretrained`` is the base they were trained on."""
+    meta = read_meta(checkpoint)
+    if meta.get("frozen", True) is True:
+        return
+    recorded = meta.get("base")
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"'{checkpoint / 'meta.json'}' is corrupted: it leaves the base out and names none.")
+    check_same_base(recorded, pretrained, checkpoint)
 
 
 def check_same_base(recorded: dict, pretrained: str | None, checkpoint: Path) -> None:

@@ -141,7 +141,7 @@ def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflo
     """Seconds per pass that the runtime adds to a stage holding layers ``[first, end)`` at a micro-batch
     of ``samples``: FSDP's hooks and copies per unit (each block and the stage's root) under ZeRO-2/3,
     and under tensor parallelism what each block costs beyond its compute share and link all-reduces
-    (:func:`~tessera.planner.live_profile.tensor_parallel_overhead`); measured by a live profile on the
+    (:func:`~tessera.planner.live.inputs.tensor_parallel_overhead`); measured by a live profile on the
     reference device, scaled by speed like compute."""
     units = (end - first + 1) * costs.fsdp_unit_s if layout.zero >= 2 else 0.0
     blocks = (end - first) * costs.tp_block_at(samples) if layout.tp > 1 else 0.0

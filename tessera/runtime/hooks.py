@@ -1,7 +1,7 @@
 """Points where the runtime lets an observer act, without knowing who listens.
 
 The runtime calls these at fixed places of ``boost()`` and of every step; the base class does
-nothing. Emulation (:class:`tessera.cluster.emulate.EmulationHooks`) is one listener: it slows
+nothing. Emulation (:class:`tessera.testbed.emulate.EmulationHooks`) is one listener: it slows
 blocks and links down and checks memory, and the runtime knows nothing of clusters.
 
 Example:

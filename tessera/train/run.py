@@ -1,7 +1,7 @@
 """Entry point of one training rank: ``python -m tessera.train.run CONFIG [--set k=v ...]``.
 
 ``tessera train`` launches this under torchrun; it can also be launched by torchrun or SLURM
-directly. However the rank ends, it says so through :mod:`tessera.train.failures`: one
+directly. However the rank ends, it says so through :mod:`tessera.launch.failures`: one
 ``tessera: error: rank R, step S: ...`` line on stderr, a report for the launcher, and an exit
 code (2 bad input, 3 collective timeout, 4 runtime fault), never a bare traceback.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera.train.failures import EXIT_OK, Reporter
+from tessera.launch.failures import EXIT_OK, Reporter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     reporter.started()
     trainer = None
     try:
-        from tessera.train.config import load_config
+        from tessera.config import load_config
         from tessera.train.trainer import Trainer
 
         trainer = Trainer(load_config(args.config, args.overrides), overwrite=args.overwrite)

@@ -7,7 +7,7 @@ rendezvous handlers by name, so ``tessera train`` runs this module instead of
 socket is bound to the endpoint's address, and then hands over to torchrun's own ``main``.
 Everything else (agents, restarts, the rendezvous protocol) is torchrun's.
 
-    python -m tessera.train.torchrun --nnodes=2 --rdzv-backend=tessera-c10d \\
+    python -m tessera.launch.torchrun --nnodes=2 --rdzv-backend=tessera-c10d \\
         --rdzv-endpoint=10.0.0.1:29400 --nproc-per-node=4 -m tessera.train.run config.yaml
 """
 

@@ -4,7 +4,7 @@
   store and gloo/NCCL sockets bind to loopback (127.0.0.1, ``lo``): nothing listens on the
   network. Several machines: the rendezvous endpoint, ``--local-addr`` (the address the ranks'
   store listens on, see :func:`tessera.distributed.init`) and GLOO/NCCL_SOCKET_IFNAME are the user's.
-- The ranks report how they ended into that folder (:mod:`tessera.train.failures`). When one
+- The ranks report how they ended into that folder (:mod:`tessera.launch.failures`). When one
   fails, ranks of the same attempt still alive a few seconds later (stopped, hung) are killed,
   instead of torchrun's fixed 30 s wait, so the job ends soon after the first failure.
 - A failed job prints one ``tessera: error:`` paragraph, the root cause first (a rank's own error
@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.lifetime import dies_with_parent, signal_name, termination_unwinds
-from tessera.testbed.testbed import ENTER_SCRIPT
-from tessera.train.failures import (
+from tessera.launch.failures import (
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_INTERRUPTED,
     EXIT_RUNTIME_FAULT,
@@ -34,10 +32,12 @@ from tessera.train.failures import (
     RankReport,
     read_reports,
 )
-from tessera.train.rundir import RUN_ID_ENV, new_run_id
-from tessera.train.torchrun import BACKEND as BOUND_RENDEZVOUS
+from tessera.launch.rundir import RUN_ID_ENV, new_run_id
+from tessera.launch.torchrun import BACKEND as BOUND_RENDEZVOUS
+from tessera.lifetime import dies_with_parent, signal_name, termination_unwinds
+from tessera.testbed.testbed import ENTER_SCRIPT
 
-TORCHRUN = [sys.executable, "-m", "tessera.train.torchrun"]  # torchrun, its rendezvous store bound (see there)
+TORCHRUN = [sys.executable, "-m", "tessera.launch.torchrun"]  # torchrun, its rendezvous store bound (see there)
 KILL_GRACE_S = 3.0  # after a rank fails, how long the others get to end before they are killed
 POLL_S = 0.25
 
@@ -54,7 +54,7 @@ class Launch:
     rdzv_endpoint: str = ""
     rdzv_id: str = "tessera"
     local_addr: str = ""  # several machines: the address this node's ranks listen on (torchrun --local-addr)
-    module: str = "tessera.train.run"  # what each rank runs (tessera.train.profile_run for a profile)
+    module: str = "tessera.train.run"  # what each rank runs (tessera.planner.live.job for a profile)
     testbed_seats: Path | None = None  # one machine, played as a cluster: each rank takes its seat first
     testbed_master_addr: str = "127.0.0.1"  # where rank 0 serves the store then (its node's namespace address)
     env: dict[str, str] | None = None  # set for this job's ranks (fault-tolerant groups: which group, the Lighthouse)
@@ -124,18 +124,18 @@ def _registered(folder: Path) -> dict[tuple[int, int], int]:
     return out
 
 
-RANK_MODULES = (b"tessera.train.run", b"tessera.train.profile_run")
+RANK_MODULES = (b"tessera.train.run", b"tessera.planner.live.job")
 
 
 def is_rank(pid: int) -> bool:
-    """Whether ``pid`` runs a rank (``python ... -m tessera.train.run`` or ``profile_run``; not torchrun,
+    """Whether ``pid`` runs a rank (``python ... -m tessera.train.run`` or the profiler's job; not torchrun,
     whose arguments name it too, nor a process that reused the number)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
     return any(a == b"-m" and b in RANK_MODULES for a, b in zip(args, args[1:])) and not any(
-        a == b"-m" and b in (b"tessera.train.torchrun", b"torch.distributed.run") for a, b in zip(args, args[1:])
+        a == b"-m" and b in (b"tessera.launch.torchrun", b"torch.distributed.run") for a, b in zip(args, args[1:])
     )
 
 

@@ -1,8 +1,8 @@
-"""Entry point of one profiling rank: ``python -m tessera.train.profile_run CONFIG CLUSTER OUT``.
+"""Entry point of one profiling rank: ``python -m tessera.planner.live.job CONFIG CLUSTER OUT``.
 
 ``tessera cluster profile`` launches one per cluster device (rank ``r`` plays device ``r``),
 over the same launcher as ``tessera train`` (and, with ``--testbed``, in the testbed's seats).
-Every rank measures its device and its links (:mod:`tessera.planner.live_profile`); rank 0
+Every rank measures its device and its links (:mod:`tessera.planner.live.measure`); rank 0
 writes the live profile to OUT. Failures are reported like a training rank's.
 """
 
@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import Any
 
-from tessera.train.failures import EXIT_OK, Reporter
+from tessera.launch.failures import EXIT_OK, Reporter
 
 QUICK = {"repeats": 3, "window_s": 0.05}  # --quick: a smoke check's timings, not a planning profile
 
@@ -24,10 +24,10 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
 
     import tessera
     from tessera.cluster.spec import Cluster
+    from tessera.config import load_config, plan_from_config
     from tessera.distributed import pick_device, shutdown
-    from tessera.planner.live_profile import (
+    from tessera.planner.live.measure import (
         SIZES,
-        LiveProfile,
         all_reduce_gbs,
         collective_latency_us,
         measure_comm_overlap,
@@ -38,10 +38,10 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         measure_tensor_parallel,
         tensor_parallel_pair,
     )
+    from tessera.planner.live.records import LiveProfile
     from tessera.planner.profile import model_key
     from tessera.testbed.seat import current_seat, verify_seat
     from tessera.train.build import build_model
-    from tessera.train.config import load_config, plan_from_config
 
     cfg = load_config(config, [])
     tessera.init(timeout_s=cfg.train.timeout_s)
@@ -102,7 +102,7 @@ def _can_split_in_two(model: Any) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tessera.train.profile_run")
+    ap = argparse.ArgumentParser(prog="tessera.planner.live.job")
     ap.add_argument("config")
     ap.add_argument("cluster")
     ap.add_argument("out")

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tessera.checkpoint.readers import CheckpointError
+from tessera.config import ConfigError
 from tessera.errors import PlanError, RuntimeFault
 from tessera.inputs import InputError
-from tessera.train.config import ConfigError
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2

@@ -28,10 +28,10 @@ from tessera.across.lighthouse import (
     lighthouse_address,
     start_lighthouse,
 )
+from tessera.config import Config, ConfigError
+from tessera.launch.jobs import Launch, launch
 from tessera.lifetime import dies_with_parent, termination_unwinds
 from tessera.plan.groups import Groups
-from tessera.train.config import Config, ConfigError
-from tessera.train.launch import Launch, launch
 
 
 def group_run_args(rank_args: list[str], cfg: Config, group: int) -> list[str]:
@@ -39,9 +39,11 @@ def group_run_args(rank_args: list[str], cfg: Config, group: int) -> list[str]:
     return [*rank_args, f"--set=logging.out_dir={cfg.run_dir}", f"--set=logging.run_name=group_{group}"]
 
 
-def launch_one_group(args: argparse.Namespace, cfg: Config, rank_args: list[str]) -> int:
+def launch_one_group(
+    args: argparse.Namespace, cfg: Config, rank_args: list[str], handed: dict[str, str] | None = None
+) -> int:
     """This machine's part of group ``args.group``: a torchrun job like any other, told its group and
-    the Lighthouse."""
+    the Lighthouse (and handed what the launcher's checks made for its ranks)."""
     if not args.lighthouse:
         raise ConfigError("--group runs one group of fault-tolerant Plan.groups: give --lighthouse http://HOST:PORT.")
     check_reachable(args.lighthouse)
@@ -54,7 +56,7 @@ def launch_one_group(args: argparse.Namespace, cfg: Config, rank_args: list[str]
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=f"{args.rdzv_id}-group{args.group}",
         local_addr=args.local_addr,
-        env={GROUP_ENV: str(args.group), LIGHTHOUSE_ENV: args.lighthouse},
+        env={**(handed or {}), GROUP_ENV: str(args.group), LIGHTHOUSE_ENV: args.lighthouse},
         label=f"group {args.group}",
     )
     return launch(job)

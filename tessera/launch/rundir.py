@@ -25,7 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tessera.checkpoint import checkpoint_run_id, list_checkpoints
-from tessera.train.config import ConfigError
+from tessera.config import ConfigError
 
 RUN_FILE = "run.json"
 RUN_ID_ENV = "TESSERA_RUN_ID"

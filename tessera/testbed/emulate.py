@@ -359,8 +359,11 @@ class EmulationHooks(Hooks):
         emulator.check_memory(model, optimizer, on_host)
 
 
+EMULATE_ENV = "TESSERA_EMULATE"  # a cluster file whose devices the ranks play (tessera train --emulate)
+
+
 def hooks_from_environment() -> EmulationHooks | None:
     """Emulation hooks when ``TESSERA_EMULATE`` names a cluster file (``tessera train --emulate``
     sets it for every rank), else None. Read by the entry points, never by the runtime."""
-    path = os.environ.get("TESSERA_EMULATE")
+    path = os.environ.get(EMULATE_ENV)
     return EmulationHooks(path) if path else None

@@ -1,25 +1,67 @@
 """Everything ``tessera train`` checks before any process starts or any file is written.
 
-A mistake found here costs the user a second, not a launch: the config and its plan, the batch
-split, the corpus, the model (built on the meta device: a Hugging Face config that does not
-parse is caught here), a memory estimate against this machine, the output directory, the run
-directory's owner, and the cluster file of ``--emulate``.
+A mistake found here costs the user a second, not a launch: the config (parsed once) and its plan
+(resolved once, into the jobs the launch starts), the batch split, the corpus, the model's size and
+vocabulary (from its description: no model is built here, :mod:`tessera.models.described`), a memory
+estimate against this machine, the output directory and the run directory's owner.
+
+What the ranks would otherwise compute again is handed on: instruction records, tokenized here to name a
+bad one before launch, are written to a file the ranks read (:meth:`Checked.handed`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tessera.checkpoint import latest_checkpoint
+from tessera.config import Config, ConfigError, load_config, plan_from_config
+from tessera.data.held_out import check_held_out
+from tessera.data.instructions import HANDED_ENV, InstructionData, records_key
+from tessera.data.shards import TokenShards
+from tessera.data.text import check_corpus_size, resolve_paths
 from tessera.errors import PlanError
 from tessera.inputs import check_output_dir
+from tessera.launch.rundir import RUN_ID_ENV, refuse_if_taken
+from tessera.models.described import parameter_count, tokenizer_for
+from tessera.models.pretrained import check_base_of
 from tessera.plan import V_SCHEDULES, Plan, grid
-from tessera.train.config import Config, ConfigError, load_config, plan_from_config
+from tessera.plan.grid import Job
 
 # Bytes per parameter a rank holds besides the weights it builds: fp32 gradients and Adam's two moments.
 STATE_BYTES_PER_PARAM = 12
+
+
+@dataclass
+class Checked:
+    """A checked launch: the config, parsed once; the jobs it starts, the Plan resolved once (one, or one per
+    fault-tolerant group); and what the ranks are handed (``env``), kept in ``folder`` until :meth:`close`."""
+
+    cfg: Config
+    jobs: list[Job]
+    env: dict[str, str] = field(default_factory=dict)
+    folder: Path | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The layout of the (last) job, resolved."""
+        return self.jobs[-1].plan
+
+    def handed(self, data: InstructionData, key: str) -> None:
+        """Hand ``data`` (made from ``key``) to the ranks, which then read it instead of tokenizing again."""
+        self.folder = Path(tempfile.mkdtemp(prefix="tessera-handed-"))
+        data.save(self.folder / "instructions.pt", key)
+        self.env[HANDED_ENV] = str(self.folder / "instructions.pt")
+
+    def close(self) -> None:
+        """Remove what was handed on (after the launch)."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def available_memory_bytes() -> int | None:
@@ -33,20 +75,14 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_memory(cfg: Config, plan, nproc: int) -> None:
-    """Refuse a model whose estimated state cannot fit on this machine, before any rank allocates it.
+def check_memory(cfg: Config, plan: Plan, nproc: int, n_params: int) -> None:
+    """Refuse a model of ``n_params`` whose estimated state cannot fit on this machine, before any rank
+    allocates it.
 
     Each local rank builds the whole model in fp32 before the plan shards it (a pretrained model: only
     the weights it holds, read once laid out), then keeps its share of gradients and optimizer state
     (divided over tp × pp, and over dp under ZeRO): a lower bound, since activations come on top.
     """
-    import torch
-
-    from tessera.train.build import build_model
-
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = build_model(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
     shards = plan.tp * plan.pp * (plan.dp if plan.zero >= 1 else 1)
     held = plan.tp * plan.pp * (plan.dp if plan.zero >= 2 else 1) if cfg.model.pretrained else 1
     per_rank = 4 * n_params / held + STATE_BYTES_PER_PARAM * n_params / shards
@@ -66,30 +102,31 @@ def check_memory(cfg: Config, plan, nproc: int) -> None:
         )
 
 
-def _resolved(plan: Plan, world: int, global_batch: int, group: int | None) -> Plan:
-    """``plan`` resolved for the launch, its batch split checked (:func:`tessera.plan.grid.launch_jobs`: each
-    fault-tolerant group's job on its own ranks; ``world`` is group ``group``'s alone when given)."""
-    return grid.launch_jobs(plan, world, global_batch, group)[-1].plan
-
-
 def check_training(
     config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool, group: int | None = None
-) -> Config:
-    """Validate a ``tessera train`` invocation; return its config. Raises a ValueError naming the fix.
+) -> Checked:
+    """Validate a ``tessera train`` invocation; return the checked launch. Raises a ValueError naming the fix.
     ``group``: the launch is that group of fault-tolerant Plan.groups alone."""
-    from tessera.data.text import check_corpus_size, resolve_paths
-    from tessera.train.trainer import split_validation
-
     cfg = load_config(config, overrides)
     world = nproc * nnodes
     try:
-        plan = _resolved(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
+        jobs = grid.launch_jobs(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
     except PlanError as exc:
         raise ConfigError(f"plan (for {world} ranks): {exc}") from None
-    if cfg.data.instructions:  # every record read and tokenized here: a bad one is named before launch
-        from tessera.data.instructions import InstructionData
-        from tessera.train.build import tokenizer_for
+    checked = Checked(cfg, jobs)
+    try:
+        _check_data_and_model(checked, nproc)
+        _check_run_directory(cfg, overwrite)
+    except BaseException:
+        checked.close()
+        raise
+    return checked
 
+
+def _check_data_and_model(checked: Checked, nproc: int) -> None:
+    cfg, plan = checked.cfg, checked.plan
+    tokenizer = tokenizer_for(cfg)
+    if cfg.data.instructions:  # every record read and tokenized here: a bad one is named before launch
         if plan.groups is not None:
             raise ConfigError("data.instructions with plan.groups is not supported yet: fine-tune without groups.")
         if cfg.data.pack and not cfg.model.kind.startswith("hf_"):
@@ -97,16 +134,42 @@ def check_training(
                 "data.pack keeps records apart with an attention mask and per-record positions, which a Hugging "
                 "Face model takes: use an hf_ model.kind or model.pretrained (or data.pack: false)."
             )
-        paths = resolve_paths(cfg.data.instructions)
-        data = InstructionData(paths, tokenizer_for(cfg), cfg.data.seq_len, cfg.data.on_bad_record, pack=cfg.data.pack)
-        split_validation(data, cfg.data.validation, cfg.train.global_batch_size)
+        d = cfg.data
+        data = InstructionData(resolve_paths(d.instructions), tokenizer, d.seq_len, d.on_bad_record, pack=d.pack)
+        check_held_out(len(data), d.validation, cfg.train.global_batch_size)
+        checked.handed(data, records_key(d, cfg.model.pretrained))
     elif cfg.data.prepared:
-        from tessera.data.shards import TokenShards
-
         shards = TokenShards(cfg.data.prepared, cfg.data.seq_len)  # its index and shard sizes; nothing is read
-        split_validation(shards, cfg.data.validation, cfg.train.global_batch_size)
+        check_held_out(len(shards), cfg.data.validation, cfg.train.global_batch_size)
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
+    _check_experts(cfg, plan)
+    if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
+        raise ConfigError(
+            f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
+            "different features of the same input; set model.lora.dropout: 0 or plan.tp: 1."
+        )
+    check_memory(cfg, plan, nproc, parameter_count(cfg, tokenizer.vocab_size))
+    if cfg.eval.every and plan.pipelined and plan.pipeline.schedule in V_SCHEDULES:
+        raise ConfigError(
+            f"eval.every runs forward-only passes, which schedule {plan.pipeline.schedule!r} cannot (torch 2.13's V "
+            "schedules have no eval()): use plan.schedule 1f1b, interleaved_1f1b or interleaved_zero_bubble, or "
+            "eval.every: 0."
+        )
+
+
+def _check_run_directory(cfg: Config, overwrite: bool) -> None:
+    check_output_dir(cfg.logging.out_dir, "logging.out_dir")
+    if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
+        raise ConfigError(f"the run directory '{cfg.run_dir}' is a file: choose another logging.run_name.")
+    if cfg.checkpoint.resume == "never" and not overwrite and RUN_ID_ENV not in os.environ:
+        refuse_if_taken(cfg.run_dir)
+    elif cfg.checkpoint.resume == "auto" and not overwrite:
+        if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
+            check_base_of(latest, cfg.model.pretrained)  # LoRA adapters alone: the base they were trained on
+
+
+def _check_experts(cfg: Config, plan: Plan) -> None:
     experts, have = _experts_of(cfg.model)
     if plan.expert_shares is not None and experts and sum(plan.expert_shares) != experts:
         raise ConfigError(
@@ -118,32 +181,6 @@ def check_training(
             f"plan.ep={plan.ep} splits each MoE layer's experts over {plan.ep} ranks, but the model has {have}: "
             "set model.moe (or use a Hugging Face MoE config) with a number of experts ep divides, or plan.ep: 1."
         )
-    if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
-        raise ConfigError(
-            f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
-            "different features of the same input; set model.lora.dropout: 0 or plan.tp: 1."
-        )
-    check_memory(cfg, plan, nproc)
-    if cfg.eval.every and plan.pipelined and plan.pipeline.schedule in V_SCHEDULES:
-        raise ConfigError(
-            f"eval.every runs forward-only passes, which schedule {plan.pipeline.schedule!r} cannot (torch 2.13's V "
-            "schedules have no eval()): use plan.schedule 1f1b, interleaved_1f1b or interleaved_zero_bubble, or "
-            "eval.every: 0."
-        )
-    check_output_dir(cfg.logging.out_dir, "logging.out_dir")
-    if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
-        raise ConfigError(f"the run directory '{cfg.run_dir}' is a file: choose another logging.run_name.")
-    from tessera.train.rundir import RUN_ID_ENV, refuse_if_taken
-
-    if cfg.checkpoint.resume == "never" and not overwrite and RUN_ID_ENV not in os.environ:
-        refuse_if_taken(cfg.run_dir)
-    elif cfg.checkpoint.resume == "auto" and not overwrite:
-        from tessera.checkpoint import latest_checkpoint
-        from tessera.train.build import check_base_of
-
-        if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
-            check_base_of(latest, cfg)  # LoRA adapters alone: the base they were trained on
-    return cfg
 
 
 def _experts_of(model: Any) -> tuple[int, str]:

@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from tessera.errors import PlanError, nearest
 from tessera.inputs import InputError, load_yaml, load_yaml_file, shown
@@ -227,6 +227,7 @@ class PlanConfig(_Section):
 
     preset: Literal["ddp", "zero"] = "zero"
     file: str | None = None
+    _plan: Plan | None = PrivateAttr(default=None)  # built once: at load time, or a plan file when first asked
 
     @model_validator(mode="after")
     def _plan_fields(self) -> PlanConfig:
@@ -235,7 +236,7 @@ class PlanConfig(_Section):
             if key not in PLAN_KEYS:
                 raise ValueError(f"unknown key 'plan.{key}'{nearest(key, ('preset', 'file', *PLAN_KEYS))}")
         if self.file is None:
-            plan_from_config(self)  # the Plan's own checks, at load time
+            self._plan = _build_plan(self)  # the Plan's own checks, at load time
         return self
 
     def plan_fields(self) -> dict[str, Any]:
@@ -422,8 +423,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     return parse_config(data, overrides, source=f"config '{path}'")
 
 
-def plan_from_config(cfg: PlanConfig) -> Any:
-    """The tessera.Plan the config's ``plan:`` section asks for."""
+def plan_from_config(cfg: PlanConfig) -> Plan:
+    """The tessera.Plan the config's ``plan:`` section asks for (built once per config)."""
+    if cfg._plan is None:  # a plan file: read when first asked (a stored config's file may be gone)
+        cfg._plan = _build_plan(cfg)
+    return cfg._plan
+
+
+def _build_plan(cfg: PlanConfig) -> Plan:
     if cfg.file:
         try:
             return Plan.load(cfg.file)

@@ -1,0 +1,142 @@
+"""``tessera plan``: plan a training config's model on a cluster (the best plans as a table, plan 0 as a Plan
+file and a picture, and how to launch it), or check a Plan file for a number of ranks."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from tessera.cluster.spec import Cluster
+from tessera.config import load_config, plan_from_config
+from tessera.inputs import check_output_file
+from tessera.plan import Plan
+from tessera.planner import ModelCosts, plan_for
+from tessera.planner.draw import draw
+from tessera.planner.layout import ranks_of
+from tessera.planner.live.inputs import measured_cluster, measured_costs
+from tessera.planner.live.records import LiveProfile
+from tessera.planner.outer import regions_of
+from tessera.planner.precision import choose_precision
+from tessera.train.build import build_model
+
+
+def check_plan_file(args: argparse.Namespace) -> int:
+    """``tessera plan check``: a Plan file resolved for ``--world-size`` ranks, printed back."""
+    plan = Plan.load(args.file).resolve(args.world_size)
+    print(plan.to_yaml(), end="")
+    print(f"# valid for {args.world_size} ranks")
+    return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Plan a training config's model on a cluster: table, Plan file, picture."""
+    if not (args.model and args.cluster and args.global_batch):
+        raise ValueError("tessera plan needs --model CONFIG.yaml --cluster CLUSTER.yaml --global-batch N.")
+    cfg = load_config(args.model, [])
+    cluster = Cluster.load(args.cluster)
+    check_output_file(args.out, "--out", force=True)  # plan files are outputs: rewritten, but must be writable
+    check_output_file(args.png, "--png", force=True)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = build_model(cfg)
+    requested = args.precision or plan_from_config(cfg.plan).precision
+    precision, precision_note = choose_precision(cluster, requested, args.pin_precision)
+    costs = ModelCosts.from_model(model, cfg.data.seq_len, precision)
+    if args.profile:  # plan from what `tessera cluster profile` measured, not from declared figures
+        live = LiveProfile.load(args.profile)
+        cluster, costs = measured_cluster(cluster, live), measured_costs(live, costs)
+    found = plan_for(
+        cluster, model, args.global_batch, precision=precision, top=args.top, costs=costs, pin_precision=True
+    )  # the precision is settled above (with its note on the best candidate when it was chosen)
+    print(
+        f"{len(found)} best plans for {costs.name} ({costs.source} costs, seq {costs.seq_len}, {costs.precision}) "
+        f"on {cluster.world_size} devices, global batch {args.global_batch}:"
+    )
+    print(
+        f"{'#':>2} {'s/step':>9} {'tokens/s':>11} {'dp':>3} {'tp':>3} {'pp':>3} {'zero':>4} {'mb':>3} "
+        f"{'recompute':>9} {'mem':>5}  placement / bottleneck"
+    )
+    for i, c in enumerate(found):
+        p, e = c.plan, c.estimate
+        fullest = max(m.total / m.capacity for m in e.memory)
+        own = p.groups is not None and p.groups.layouts is not None  # each group its own layout: lines below
+        dp, pp = (len(p.replicas), "mix") if p.replicas else ("-", "-") if own else (p.dp, p.pp)
+        tp, zero, mb, rc = ("-",) * 4 if own else (p.tp, p.zero, p.pipeline.microbatches, p.recompute)
+        print(
+            f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {dp:>3} {tp:>3} {pp:>3} {zero:>4} "
+            f"{mb:>3} {rc:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
+        )
+        if own:
+            assert p.groups is not None
+            for g in range(p.groups.count):
+                q = p.group_plan(g)
+                print(
+                    f"{'':>3} group {g}: {(p.groups.sizes or ())[g]} ranks, {(p.groups.shares or ())[g]} samples: "
+                    f"tp{q.tp} pp{q.pp} ZeRO-{q.zero} m{q.pipeline.microbatches} recompute {q.recompute}, shares "
+                    f"{q.dp_shares or 'even'}"
+                )  # fmt: skip
+        if p.replicas:
+            print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
+        elif not own and (p.dp_shares or p.pipeline.stages):
+            print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
+        if p.ep > 1:
+            held = list(p.expert_shares) if p.expert_shares else "evenly"
+            print(f"{'':>3} experts over ep={p.ep} ranks, held {held}")
+        if p.groups is not None:  # dp, tp and the shares above are each group's
+            g = p.groups
+            every = f"every {g.inner_steps} steps" + (f", {g.fragments} fragments in turn" if g.fragments > 1 else "")
+            print(
+                f"{'':>3} groups: {g.count} (a region each), sync {g.sync}"
+                + ("" if g.sync == "every_step" else f" {every}")
+            )
+    best = found[0]
+    for line in ([precision_note] if precision_note else []) + list(best.notes):
+        print(f"note: {line}")
+    print_launch(best.plan, cluster, args.out)
+    best.plan.save(args.out)
+    print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
+    print(f"wrote {draw(best, cluster, costs, args.png)}")
+    return 0
+
+
+CONSOLE_LAUNCH_NODES = 4  # more nodes than this: one line per node in a file, a summary on the console
+
+
+def print_launch(plan, cluster, out: str) -> None:
+    """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn. Up to a few
+    nodes on the console; more in ``<out>.launch.txt``, one torchrun command per node."""
+    if len(cluster.nodes) == 1:
+        return
+    if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
+        lines = [
+            f"group {g} (region {nodes[0].region}: {', '.join(n.name for n in nodes[:3])}"
+            f"{', ...' if len(nodes) > 3 else ''}; {len(nodes)} node(s)): tessera train CONFIG --group {g} "
+            f"--lighthouse http://HOST:PORT --nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
+            for g, nodes in enumerate(regions_of(cluster))
+        ]
+        print(
+            "launch plan 0 as one job per group: start `tessera lighthouse --bind HOST:PORT` on one machine, then\n  "
+            + "\n  ".join(lines)
+        )
+        return
+    devices = cluster.devices()
+    order: list[str] = []
+    for rank in range(ranks_of(plan, cluster)):
+        node = devices[plan.device_of(rank)][0]
+        if not order or order[-1] != node:
+            order.append(node)
+    lines = [
+        f"{node}: torchrun --nnodes {len(order)} --node-rank {k} --nproc-per-node {cluster.node(node).count}"
+        for k, node in enumerate(order)
+    ]
+    if len(order) <= CONSOLE_LAUNCH_NODES:
+        print("launch plan 0 with torchrun, one command per node:\n  " + "\n  ".join(lines))
+        return
+    path = Path(out).with_suffix(".launch.txt")
+    check_output_file(str(path), "the launch file", force=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(
+        f"launch plan 0 on {len(order)} nodes ({ranks_of(plan, cluster)} ranks) with torchrun: one command per "
+        f"node in {path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1})"
+    )
