@@ -121,3 +121,71 @@ def test_clusters_do_not_import_the_planner() -> None:
         if _inside(m, "tessera.cluster")
     }
     assert not any(wrong.values()), f"cluster/ imports the planner: {wrong}"
+
+
+def _importers(target: str, among: str | None = None) -> dict[str, list[str]]:
+    """Modules (inside ``among`` when given) that import something inside ``target``, with what."""
+    found = {
+        m: sorted(d for d in deps if _inside(d, target))
+        for m, deps in imports().items()
+        if among is None or _inside(m, among) or m == among
+    }
+    return {m: d for m, d in found.items() if d}
+
+
+def test_the_booster_and_runtime_meet_the_groups_through_one_membership_and_know_no_testbed() -> None:
+    """Everything between Plan.groups is the across package's: the Booster obtains one Membership
+    (tessera.across.membership) and reaches into nothing else of it; neither it nor the runtime plays a
+    cluster (the testbed, emulation): hooks are handed in."""
+    for module in ("tessera.booster", "tessera.runtime"):
+        across = {m: d for m, d in _importers("tessera.across", module).items() if d != ["tessera.across.membership"]}
+        assert not across, f"{module} reaches into the across package: {across}"
+        testbed = _importers("tessera.testbed", module)
+        assert not testbed, f"{module} imports the testbed: {testbed}"
+
+
+def test_only_the_across_packages_front_doors_are_used_from_outside() -> None:
+    """The runtime's door (membership), the launcher's (lighthouse: starting torchft's Lighthouse) and the
+    data-parallel wrapper's (hierarchical: its DDP hook for gradients crossing groups every step)."""
+    doors = {"tessera.across.membership", "tessera.across.lighthouse", "tessera.across.hierarchical"}
+    wrong = {
+        m: [d for d in deps if d not in doors]
+        for m, deps in _importers("tessera.across").items()
+        if not _inside(m, "tessera.across")
+    }
+    wrong = {m: d for m, d in wrong.items() if d}
+    assert not wrong, f"modules reach past the across package's doors: {wrong}"
+
+
+def test_the_launcher_never_imports_the_rank_side() -> None:
+    """tessera.launch parses, checks and launches; what runs on a rank (tessera.train) is named, never
+    imported, so a launch builds neither the model nor the training loop."""
+    wrong = _importers("tessera.train", "tessera.launch")
+    assert not wrong, f"the launcher imports the rank side: {wrong}"
+
+
+def test_the_mechanisms_and_the_runtime_do_not_import_the_data_package() -> None:
+    """parallel/ and runtime/ take batches as tensors; the mask that keeps packed records apart lives in
+    tessera.packing, not with the data that packs them."""
+    for package in ("tessera.parallel", "tessera.runtime"):
+        wrong = _importers("tessera.data", package)
+        assert not wrong, f"{package} imports data/: {wrong}"
+
+
+def test_checkpoints_know_no_component() -> None:
+    """The checkpoint code saves what the optimizer's parts give it: it imports neither the mechanisms
+    (ZeRO-1, experts) nor the groups' outer sync nor the runtime."""
+    for package in ("tessera.parallel", "tessera.across", "tessera.runtime", "tessera.optim"):
+        wrong = _importers(package, "tessera.checkpoint")
+        assert not wrong, f"tessera.checkpoint imports {package}: {wrong}"
+
+
+def test_the_rank_arithmetic_has_one_home() -> None:
+    """Only tessera.plan.grid turns ranks into coordinates: no other module calls its rank-order helper (the
+    planner walks ranks in order through grid_order, written there too)."""
+    callers = {
+        m
+        for m, path in ((m, PACKAGE.parent / (m.replace(".", "/") + ".py")) for m in imports())
+        if path.is_file() and "grid_coords(" in path.read_text() and m != "tessera.plan.grid"
+    }
+    assert not callers, f"rank arithmetic outside tessera.plan.grid: {callers}"

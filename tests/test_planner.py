@@ -103,7 +103,7 @@ def _two_nodes(link_gbs: float) -> Cluster:
 
 def test_flows_on_one_link_share_its_bandwidth() -> None:
     """Two transfers on one link each take twice as long as one alone; on two links, as long as one."""
-    from tessera.planner.simulate import _Engine
+    from tessera.planner.events import Engine as _Engine
 
     def finish(channels: list[tuple]) -> list[float]:
         engine = _Engine()
@@ -125,7 +125,7 @@ def test_a_link_passes_its_burst_at_once_after_idling() -> None:
     """A shaped link's bucket (burst_bytes) refills at its rate while no flow crosses it: a flow that
     starts on it idle passes that much at once, one that follows another at once gets nothing, one after a
     short gap gets what the gap refilled."""
-    from tessera.planner.simulate import _Engine
+    from tessera.planner.events import Engine as _Engine
 
     engine = _Engine()
     engine.channel("x", 1e-3, burst_bytes=1e5)  # 1 MB/s, a 0.1 s bucket

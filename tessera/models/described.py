@@ -5,8 +5,8 @@ The launcher's checks ask here (no model is built before launch); the ranks' bui
 (:mod:`tessera.train.build`) builds from the same descriptions, so both see one model.
 
 Example:
-    >>> parameter_count(cfg, vocab=256)   # the reference Llama, a Hugging Face config, or pretrained files
-    853248
+    >>> parameter_count(load_config("examples/demo.yaml"), vocab=256)   # the demo's reference Llama
+    853120
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the meta device to be counted), or a pretrained directory's weight-file headers.
 
 Example:
     >>> llama_parameters(LlamaConfig(vocab_size=256, dim=64, n_layers=2))
-    140416
+    106816
 """
 
 from __future__ import annotations

@@ -43,7 +43,9 @@ of what the runtime does, op by op:
   the copies both ways, when offloaded), after the stage's gradients are in.
 
 The events it returns draw the timeline in ``tessera plan``'s picture; ``comm_s`` is how long
-each kind of transfer (data parallel, pipeline, tensor parallel) was moving bytes.
+each kind of transfer (data parallel, pipeline, tensor parallel) was moving bytes. The engine that runs
+the tasks is :mod:`tessera.planner.events`; this module stays one piece (a little over 450 lines, a third
+of them this description) so that one step's tasks read top to bottom, in the order the runtime runs them.
 
 Example:
     >>> sim = simulate(layout, costs)
@@ -52,12 +54,11 @@ Example:
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass, field, replace
 
 from tessera.parallel.data_parallel import BUCKET_BYTES
 from tessera.planner.costs import ModelCosts
+from tessera.planner.events import Engine
 from tessera.planner.layout import (
     HOST_BANDWIDTH_GBS,
     HOST_LINK,
@@ -88,147 +89,6 @@ class Simulation:
     step_s: float
     events: tuple[Event, ...]
     comm_s: dict[str, float] = field(default_factory=dict)  # seconds each kind of transfer was moving bytes
-
-
-# ------------------------------------------------------------------ the engine
-@dataclass
-class _Task:
-    streams: tuple  # streams it occupies, in the order they were given their tasks
-    deps: list[int]
-    seconds: float = 0.0  # compute
-    volume: float = 0.0  # bytes to move (a flow)
-    latency: float = 0.0  # seconds before the flow moves bytes
-    channels: tuple = ()
-    label: tuple | None = None  # (replica, stage, kind, microbatch) for the timeline
-    comm: str = ""  # kind of transfer, for comm_s
-    start: float = -1.0
-    end: float = -1.0
-
-
-class _Engine:
-    """Tasks on in-order streams with dependencies; flows share their channels' bandwidth evenly."""
-
-    def __init__(self) -> None:
-        self.tasks: list[_Task] = []
-        self.queues: dict[object, list[int]] = {}
-        self.bandwidth: dict[object, float] = {}  # bytes per second of each channel
-        self.burst: dict[object, float] = {}  # bytes a channel passes at once after idling
-
-    def channel(self, key: object, bandwidth_gbs: float, burst_bytes: float = 0.0) -> object:
-        self.bandwidth.setdefault(key, bandwidth_gbs * 1e9)
-        self.burst.setdefault(key, burst_bytes)
-        return key
-
-    def add(self, streams: tuple = (), deps: list[int] | tuple = (), **kw: object) -> int:
-        index = len(self.tasks)
-        self.tasks.append(_Task(tuple(streams), [d for d in deps if d is not None], **kw))  # type: ignore[arg-type]
-        for s in streams:
-            self.queues.setdefault(s, []).append(index)
-        return index
-
-    def run(self) -> tuple[float, dict[str, float]]:
-        """Replay every task; returns (when the last one ends, seconds each kind of transfer moved bytes).
-
-        Flows are updated incrementally: adding or removing one re-rates only the flows that share
-        a channel with it, so a 4,096-device plan's thousands of transfers replay in seconds."""
-        tasks = self.tasks
-        waiting = [len(t.deps) for t in tasks]
-        dependents: list[list[int]] = [[] for _ in tasks]
-        for i, t in enumerate(tasks):
-            for d in t.deps:
-                dependents[d].append(i)
-        head = {s: 0 for s in self.queues}
-        # (time, kind, task, version): kind 0 compute ends, 1 a flow starts moving, 2 a flow ends
-        heap: list[tuple[float, int, int, int]] = []
-        flows: dict[int, list[float]] = {}  # task -> [bytes left at t0, rate, t0, version]
-        on_channel: dict[object, set[int]] = {}
-        idle_since: dict[object, float] = {}  # when each channel last emptied (never used: its bucket is full)
-        in_flight: dict[str, list[float]] = {}  # kind of transfer -> [flows moving, since when]
-        busy: dict[str, float] = {}
-        now, finished = 0.0, 0
-
-        def ready(i: int) -> bool:
-            t = tasks[i]
-            return t.start < 0 and waiting[i] == 0 and all(self.queues[s][head[s]] == i for s in t.streams)
-
-        def start(i: int) -> None:
-            t = tasks[i]
-            t.start = now
-            if t.volume > 0 or t.latency > 0:
-                heapq.heappush(heap, (now + t.latency, 1, i, 0))
-            else:
-                heapq.heappush(heap, (now + t.seconds, 0, i, 0))
-
-        def finish(i: int) -> list[int]:
-            nonlocal finished
-            t = tasks[i]
-            t.end = now
-            finished += 1
-            candidates = []
-            for s in t.streams:
-                head[s] += 1
-                if head[s] < len(self.queues[s]):
-                    candidates.append(self.queues[s][head[s]])
-            for j in dependents[i]:
-                waiting[j] -= 1
-                candidates.append(j)
-            return candidates
-
-        def rerate(affected: set[int]) -> None:
-            for j in affected:
-                f = flows[j]
-                if f[1] < math.inf:  # bytes moved at the old rate (a new flow has none yet)
-                    f[0] -= f[1] * (now - f[2])
-                f[1] = min((self.bandwidth[c] / len(on_channel[c]) for c in tasks[j].channels), default=math.inf)
-                f[2], f[3] = now, f[3] + 1
-                heapq.heappush(heap, (now + max(f[0], 0.0) / f[1], 2, j, int(f[3])))
-
-        def sharing(i: int) -> set[int]:
-            return {j for c in tasks[i].channels for j in on_channel[c]}
-
-        def count(kind: str, delta: int) -> None:  # wall time with this kind's bytes in flight
-            state = in_flight.setdefault(kind, [0, now])
-            if state[0] == 0 and delta > 0:
-                state[1] = now
-            state[0] += delta
-            if state[0] == 0:
-                busy[kind] = busy.get(kind, 0.0) + now - state[1]
-
-        for i in range(len(tasks)):
-            if ready(i):
-                start(i)
-        while heap:
-            now, kind, i, version = heapq.heappop(heap)
-            if kind == 2 and (i not in flows or flows[i][3] != version):
-                continue  # superseded by a re-rate
-            if kind == 1 and tasks[i].volume > 0:
-                slowest = min(tasks[i].channels, key=lambda c: self.bandwidth[c], default=None)
-                credit = 0.0  # the slowest channel's bucket, refilled while it idled
-                if slowest is not None and not on_channel.get(slowest):
-                    idled = now - idle_since.get(slowest, -math.inf)
-                    credit = min(self.burst[slowest], idled * self.bandwidth[slowest])
-                for c in tasks[i].channels:
-                    on_channel.setdefault(c, set()).add(i)
-                flows[i] = [max(tasks[i].volume - credit, 0.0), math.inf, now, 0]
-                count(tasks[i].comm, 1)
-                rerate(sharing(i))
-                continue
-            if kind == 2:
-                del flows[i]
-                for c in tasks[i].channels:
-                    on_channel[c].discard(i)
-                    if not on_channel[c]:
-                        idle_since[c] = now
-                count(tasks[i].comm, -1)
-                rerate(sharing(i))
-            candidates = finish(i)
-            for j in candidates:
-                if ready(j):
-                    start(j)
-        if finished < len(tasks):
-            stuck = [i for i, t in enumerate(tasks) if t.start < 0][:3]
-            raise RuntimeError(f"the simulator deadlocked at tasks {stuck} (a bug: please report it)")
-        return max((t.end for t in tasks), default=0.0), busy
 
 
 # ------------------------------------------------------------------- one step
@@ -269,7 +129,7 @@ def schedule_order(schedule: str, pp: int, stage: int, microbatches: int) -> lis
 class _Step:
     """Adds one step of a Layout's tasks to an engine (``offset``: index of its first replica class)."""
 
-    def __init__(self, engine: _Engine, layout: Layout, costs: ModelCosts, offset: int = 0) -> None:
+    def __init__(self, engine: Engine, layout: Layout, costs: ModelCosts, offset: int = 0) -> None:
         self.e, self.layout, self.costs, self.offset = engine, layout, costs, offset
         self.parts = [_parts(costs, a, b) for a, b in layout.stages]
         self.fsdp = layout.zero >= 2 and layout.dp > 1
@@ -552,7 +412,7 @@ class _Step:
 
 
 # ------------------------------------------------------------------ the result
-def _events(engine: _Engine, steps: list[_Step]) -> list[Event]:
+def _events(engine: Engine, steps: list[_Step]) -> list[Event]:
     """Forward/backward spans from their first and last task, the optimizer, and each stage's sync span."""
     events, opened = [], {}
     for t in engine.tasks:
@@ -577,7 +437,7 @@ def simulate(layout: Layout | MixedLayout, costs: ModelCosts) -> Simulation:
     """Replay one step of ``layout`` event by event (see the module docstring)."""
     if isinstance(layout, MixedLayout):
         return _simulate_mixed(layout, costs)
-    engine = _Engine()
+    engine = Engine()
     step = _Step(engine, layout, costs)
     step.passes()
     step.optimizer()
@@ -588,7 +448,7 @@ def simulate(layout: Layout | MixedLayout, costs: ModelCosts) -> Simulation:
 def _simulate_mixed(layout: MixedLayout, costs: ModelCosts) -> Simulation:
     """Replicas of different depth: each one's pipeline; once all are done (as the runtime's LayerSync
     does) every layer's gradients averaged over the replicas in flat buckets; then each device's step."""
-    engine = _Engine()
+    engine = Engine()
     steps = []
     for index, part in enumerate(layout.parts):
         step = _Step(engine, replace(part, dp=1), costs, offset=index)  # its own sync is the replicas' one below
