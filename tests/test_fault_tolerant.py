@@ -329,7 +329,8 @@ def test_fault_tolerant_streaming_stopped_mid_transfer_resumes_and_matches_one_j
 
     from tessera.export import load_full_model_state
 
-    groups = {"count": 2, "sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1, "fault_tolerant": True}
+    groups = {"count": 2, "sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1, "compression": "int8",
+              "fault_tolerant": True}  # fmt: skip
     config = tiny_config(tmp_path / "runs", 16, 8, {"preset": "ddp", "groups": groups})
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
     config["plan"]["groups"] = {**groups, "fault_tolerant": False}

@@ -33,15 +33,22 @@ def _inner_optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=ADAM_LR, eps=1e-6)
 
 
-def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
+def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS, fed: bool = False) -> dict:
     """Train ``plan_dict`` through the Booster; every rank returns the losses, its group's full weights and
-    the bytes it sent per link class (tessera.traffic)."""
+    the bytes it sent per link class (tessera.traffic); ``fed``: also, per fragment, every value its error
+    feedback was given to encode, in order, and the remainder it kept at the end."""
     import tessera
     from tessera import traffic
 
     model = build_model("llama")
     booster = tessera.Booster(Plan.from_dict(plan_dict))
     model, opt = booster.boost(model, _inner_optimizer(inner, model.parameters()))
+    given: list[list[torch.Tensor]] = []
+    if fed:
+        for fragment in booster.membership.outer.fragments:
+            given.append([])
+            encode = fragment.feedback.encode
+            fragment.feedback.encode = lambda v, into=given[-1], encode=encode: (into.append(v.clone()), encode(v))[1]
     traffic.take()
     if booster.plan.pp > 1:  # a pipeline inside each group trains through execute_pipeline
         losses = []
@@ -53,7 +60,11 @@ def groups_worker(plan_dict: dict, inner: str, steps: int = STEPS) -> dict:
     else:
         losses = plain_loop_losses(booster, model, opt, GLOBAL_BATCH, steps)
     sent = {link: t.bytes for link, t in traffic.take().items()}  # the training steps' collectives
-    return {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index, "sent": sent}
+    out = {"losses": losses, "params": booster.full_state_dict(model), "group": booster.group_index, "sent": sent}
+    if fed:
+        out["fed"] = given
+        out["remainders"] = [fragment.feedback.remainder.clone() for fragment in booster.membership.outer.fragments]
+    return out
 
 
 def unlike_groups_worker(second: str, steps: int = STEPS) -> dict:
@@ -214,6 +225,7 @@ DILOCO = {"count": GROUPS, "sync": "diloco", "inner_steps": 2, "outer_lr": 0.7, 
 # leaves at 2 and lands at 3, fragment 1 leaves at 4 and lands at 5, fragment 0 leaves again at 6
 STREAMING = {**DILOCO, "sync": "streaming", "inner_steps": 4, "fragments": 2, "delay": 1}
 STREAMING_STEPS = 6
+COMPRESSED_STEPS = 8  # streaming's fragment 1 syncs at 4 and 8
 CASES = {
     # H = 1, inner SGD without momentum, outer lr 1 and no outer momentum: synchronous SGD
     "diloco reduces to sync sgd": (
@@ -226,8 +238,9 @@ CASES = {
     "islands": (_plan(count=GROUPS, sync="none"), "adamw"),
     "streaming one fragment": (_plan(**{**DILOCO, "sync": "streaming"}), "adamw"),
     "streaming": (_plan(zero=3, **STREAMING), "adamw", STREAMING_STEPS),
-    "diloco int8": (_plan(**{**DILOCO, "compression": "int8"}), "adamw"),
-    "streaming int4": (_plan(**{**STREAMING, "compression": "int4"}), "adamw", STREAMING_STEPS),
+    # enough syncs that what error feedback carries from one to the next matters: 2 of DiLoCo's, 2 of each fragment
+    "diloco int8": (_plan(**{**DILOCO, "compression": "int8"}), "adamw", STEPS, True),
+    "streaming int4": (_plan(**{**STREAMING, "compression": "int4"}), "adamw", COMPRESSED_STEPS, True),
     # every step, hierarchically: synchronous training, whatever the layout inside the groups
     "every step ddp": (_plan(count=GROUPS, sync="every_step"), "adamw"),
     "every step zero1": (_plan(zero=1, count=GROUPS, sync="every_step"), "adamw"),
@@ -388,7 +401,7 @@ def test_streaming_fragments_take_turns_and_land_late(runs: dict) -> None:
 
 @pytest.mark.parametrize(("case", "spec", "steps"), [
     ("diloco int8", {**DILOCO, "compression": "int8"}, STEPS),
-    ("streaming int4", {**STREAMING, "compression": "int4"}, STREAMING_STEPS),
+    ("streaming int4", {**STREAMING, "compression": "int4"}, COMPRESSED_STEPS),
 ])  # fmt: skip
 def test_compressed_outer_gradients_equal_their_replay(runs: dict, case: str, spec: dict, steps: int) -> None:
     """Each group quantises its outer gradient (with error feedback), every group sums all of them in the
@@ -400,6 +413,21 @@ def test_compressed_outer_gradients_equal_their_replay(runs: dict, case: str, sp
     plain = outer_reference("adamw", steps, Groups(**{**spec, "compression": "none"}))
     gap = max((got[0]["params"][k] - v).abs().max().item() for k, v in plain["params"][0].items())
     assert gap > 5e-4, gap  # it did quantise: 5x the tolerance
+
+
+@pytest.mark.parametrize("case", ["diloco int8", "streaming int4"])
+def test_error_feedback_carries_its_remainder_from_sync_to_sync(runs: dict, case: str) -> None:
+    """What each rank's error feedback keeps after its last sync is exactly what one ErrorFeedback keeps when
+    given, in order, the same values each sync gave it: what a sync dropped is added to the next one's
+    values, never reset between syncs (every fragment syncs at least twice here)."""
+    kind = CASES[case][0]["groups"]["compression"]
+    for rank, result in enumerate(runs[case]):
+        for f, (given, kept) in enumerate(zip(result["fed"], result["remainders"])):
+            assert len(given) >= 2, (rank, f, len(given))
+            feedback = ErrorFeedback(kind)
+            for values in given:
+                feedback.encode(values)
+            assert torch.equal(feedback.remainder, kept), f"rank {rank}, fragment {f}"
 
 
 @pytest.mark.parametrize(("kind", "bound"), [("bf16", 2**-8), ("int8", 1 / 254), ("int4", 1 / 14)])

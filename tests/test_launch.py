@@ -137,7 +137,7 @@ def test_the_command_line_reaches_the_launch(tmp_path: Path, monkeypatch) -> Non
     import yaml
     from test_bad_input import GOOD
 
-    import tessera.launch.jobs as launch_module
+    import tessera.launch.commands as launch_module
     from tessera.cli import main
 
     jobs: list[Launch] = []
