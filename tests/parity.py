@@ -254,7 +254,15 @@ def check_cases(world: int, cases: list[tuple[str, dict, str, float | None]], gl
     """Every case equals plain single-process training; the failures are listed together."""
     from tessera.testing import run_ranks
 
-    results = run_ranks(cases_worker, world, cases, global_batch, steps, timeout_s=600)[0]
+    compare_cases(
+        run_ranks(cases_worker, world, cases, global_batch, steps, timeout_s=600)[0], cases, global_batch, steps
+    )
+
+
+def compare_cases(
+    results: dict, cases: list[tuple[str, dict, str, float | None]], global_batch: int, steps: int
+) -> None:
+    """Each case's results (rank 0's, from :func:`cases_worker`) equal plain single-process training."""
     references: dict[tuple, dict] = {}
     failures = []
     for name, _, kind, max_norm in cases:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import check_cases, run_shared
+from parity import build_model, cases_worker, compare_cases, run_shared
 from test_data_parallel_parity import PRESETS
 
 import tessera
@@ -173,7 +173,9 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
     transformers' own forward on one process: ep2 (Mixtral's experts through Tessera's dispatch), ep2 under
     ZeRO-1 and ZeRO-3, tp2 (attention and dense MLPs split, experts whole), pp2, and Mixtral ep2 with experts
     1:3 under ZeRO-1. ep2 × dp2 on 4 ranks, under
-    DDP and ZeRO-3, and tp2 × ep2: test_pretrained's launch."""
+    DDP and ZeRO-3, and tp2 × ep2: test_pretrained's launch.
+    Parity does not care where experts sit, so under uneven shares each rank's stacked expert rows are
+    compared, exactly, with the rows its share names in the model before boosting."""
     plans = {
         **PRESETS,
         "shares 3:1": tessera.Plan(dp_shares=(3, 1)),
@@ -195,7 +197,43 @@ def test_experts_train_like_one_process_under_ddp_zero_pipeline_stages_and_exper
         "Mixtral ep2, experts 1:3, zero1": (tessera.Plan(ep=2, expert_shares=(1, 3), zero=1), "hf_mixtral"),
     }
     cases += [(name, plan.to_dict(), kind, None) for name, (plan, kind) in hugging_face.items()]
-    check_cases(2, cases, 8, 3)
+    held = {name: (plans[name], "moe_llama") for name in ("ep2, samples 3:1, experts 3:1", "ep2, experts 1:3, zero3")}
+    held["Mixtral ep2, experts 1:3, zero1"] = hugging_face["Mixtral ep2, experts 1:3, zero1"]
+    calls = {"parity": (cases_worker, (cases, 8, 3))}  # one launch: the held rows ride with the parity cases
+    calls |= {name: (held_expert_rows, (plan.to_dict(), kind)) for name, (plan, kind) in held.items()}
+    results = run_shared(2, calls)
+    compare_cases(results["parity"][0], cases, 8, 3)
+    for name, (plan, _) in held.items():
+        _assert_each_rank_holds_its_share(name, plan.expert_shares, results[name])
+
+
+def held_expert_rows(plan: dict, kind: str) -> tuple[list[dict], list[dict]]:
+    """Every MoE layer's stacked expert weights, whole before boosting and as this rank holds them after."""
+    from torch.distributed.tensor import DTensor
+
+    from tessera.models.hf_experts import expert_modules
+
+    model = build_model(kind)
+    units = expert_modules(model)
+    whole = [{name: getattr(unit, name).detach().clone() for name in unit.stacked_weights} for unit in units]
+    tessera.Booster(tessera.Plan.from_dict(plan)).boost(model, torch.optim.AdamW(model.parameters()))
+    held = [{name: getattr(unit, name) for name in unit.stacked_weights} for unit in units]
+    held = [{k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in u.items()} for u in held]
+    return whole, held
+
+
+def _assert_each_rank_holds_its_share(case: str, shares: tuple[int, ...], per_rank: list[tuple]) -> None:
+    """Rank r (ep rank r: the ep ranks are the first ones) holds experts sum(shares[:r]) onwards, shares[r] of them."""
+    assert len(per_rank) == len(shares)
+    for rank, (whole, held) in enumerate(per_rank):
+        first = sum(shares[:rank])
+        assert whole and len(whole) == len(held), case
+        for layer, (want, got) in enumerate(zip(whole, held)):
+            for name in want:
+                torch.testing.assert_close(
+                    got[name], want[name][first : first + shares[rank]], rtol=0, atol=0,
+                    msg=lambda m, name=name, layer=layer, rank=rank: f"{case}, rank {rank}, layer {layer} {name}: {m}",
+                )  # fmt: skip
 
 
 def _ep2_checkpoint_read_at_ep1_and_ep4(folder: str) -> list[bool]:
