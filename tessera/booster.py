@@ -85,7 +85,6 @@ class Booster:
     def loss_weight(self) -> float:
         return self._ctx.loss_weight
 
-    # ------------------------------------------------------------------ boost
     def boost(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[nn.Module, BoostedOptimizer | None]:

@@ -122,4 +122,3 @@ def load_tokenizer(spec: str | None, pretrained: str | None = None) -> ByteToken
             )
         return _hf_tokenizer(str((Path(pretrained) / "tokenizer.json").resolve()))
     return _hf_tokenizer(str(tokenizer_file(spec).resolve()))
-

@@ -245,7 +245,6 @@ class Plan:
                 except PlanError as exc:
                     raise PlanError(f"Plan.replicas[{i}]: {exc}") from None
 
-
     # ----------------------------------------------------------------- sizes
     @property
     def ulysses_size(self) -> int:
@@ -257,13 +256,11 @@ class Plan:
         """Ranks that together hold one replica of the model (tp × pp × Ulysses sp)."""
         return self.tp * self.pp * self.ulysses_size
 
-
     @property
     def pipelined(self) -> bool:
         """Whether some rank holds only part of the model (pipeline stages): training goes through
         ``Booster.execute_pipeline``."""
         return self.pp > 1 or (self.replicas is not None and any(r.depth > 1 for r in self.replicas))
-
 
     def check_composable(self) -> None:
         """Refuse (resolved) layouts whose pieces exist but do not compose yet; run by resolve()."""
@@ -304,7 +301,6 @@ class Plan:
                 )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
-
 
     # ----------------------------------------------------------- rank arithmetic (tessera.plan.grid)
     def resolve(self, world_size: int) -> Plan:
@@ -399,7 +395,6 @@ class Plan:
             raise PlanError(message if str(path) in message else f"Plan file '{path}': {message}") from None
 
 
-
 def _parse(load: Any, error: type[Exception], fmt: str, text: str) -> Any:
     try:
         return load(text)
@@ -407,5 +402,3 @@ def _parse(load: Any, error: type[Exception], fmt: str, text: str) -> Any:
         raise PlanError(f"Plan {fmt} nests too deeply to be a Plan.") from None
     except error as exc:
         raise PlanError(f"Plan {fmt} is malformed: {str(exc)[:300]}") from None
-
-
