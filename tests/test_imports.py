@@ -4,6 +4,7 @@ included, so a cycle cannot hide inside a function)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tessera"
@@ -26,10 +27,11 @@ def _type_only(tree: ast.Module) -> set[int]:
     }
 
 
-def imports() -> dict[str, set[str]]:
+@functools.cache  # parsed once for all the rules below (the source does not change during a run)
+def imports() -> dict[str, frozenset[str]]:
     """Every tessera module and the tessera modules it imports anywhere in its body (outside type-only blocks)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, frozenset[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
         tree = ast.parse(path.read_text())
@@ -43,7 +45,7 @@ def imports() -> dict[str, set[str]]:
                 for alias in node.names:  # `from pkg import submodule` depends on the submodule
                     sub = f"{node.module}.{alias.name}"
                     found.add(sub if sub in modules else node.module)
-        graph[name] = {m for m in found if m in modules}
+        graph[name] = frozenset(m for m in found if m in modules)
     return graph
 
 
@@ -69,7 +71,7 @@ def test_the_runtime_knows_nothing_of_clusters_or_the_planner() -> None:
     assert not any(wrong.values()), f"the runtime imports: {wrong}"
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def cycles(graph: dict[str, frozenset[str]] | dict[str, set[str]]) -> list[list[str]]:
     """The import cycles of ``graph``: its strongly connected components of more than one module
     (Tarjan), plus modules that import themselves."""
     index: dict[str, int] = {}
