@@ -5,7 +5,7 @@
     tessera plan check PLAN.yaml --world-size N                           validate a Plan file for N ranks
     tessera cluster profile CONFIG.yaml --cluster C.yaml [--testbed]      measure devices and links for the planner
     tessera testbed clean                                                 remove what a killed testbed left
-    tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR]      full model from any layout's checkpoint
+    tessera export CHECKPOINT --out model.safetensors [--hf-dir DIR] [--adapter-dir DIR]  full model, PEFT adapter
     tessera merge CHECKPOINT... [--out merged.safetensors]                islands' held-out losses, averaged, ensembled
 
 Every failure prints one ``tessera: error: ...`` paragraph. Exit codes: 2 bad input, 3 a collective
@@ -50,15 +50,17 @@ def _count(minimum: int):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tessera.export import check_export_targets, export_hf, export_safetensors
+    from tessera.export import check_export_targets, export_adapter, export_hf, export_safetensors
 
-    if not args.out and not args.hf_dir:
-        raise ValueError("tessera export needs --out FILE.safetensors and/or --hf-dir DIR.")
-    check_export_targets(args.checkpoint, args.out, args.hf_dir, args.force)
+    if not args.out and not args.hf_dir and not args.adapter_dir:
+        raise ValueError("tessera export needs --out FILE.safetensors, --hf-dir DIR and/or --adapter-dir DIR.")
+    check_export_targets(args.checkpoint, args.out, args.hf_dir, args.force, args.adapter_dir)
     if args.out:
         print(f"wrote {export_safetensors(args.checkpoint, args.out)}")
     if args.hf_dir:
         print(f"wrote {export_hf(args.checkpoint, args.hf_dir)}")
+    if args.adapter_dir:
+        print(f"wrote {export_adapter(args.checkpoint, args.adapter_dir)} (PeftModel.from_pretrained(base, it))")
     return 0
 
 
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("checkpoint")
     export.add_argument("--out", help="a .safetensors file to write")
     export.add_argument("--hf-dir", help="a directory for save_pretrained (Hugging Face models)")
+    export.add_argument("--adapter-dir", help="a LoRA run's adapters as a PEFT adapter folder")
     export.add_argument("--force", action="store_true", help="overwrite an existing --out file or --hf-dir")
     merge = sub.add_parser("merge", help="judge islands (groups' or runs' models) on held-out text, average them")
     merge.add_argument("checkpoints", nargs="+", help="checkpoint directories (each group folder is an island)")

@@ -24,13 +24,15 @@ from tessera.checkpoint.readers import (
 from tessera.inputs import InputError, check_output_dir, check_output_file
 
 
-def check_export_targets(checkpoint: str | Path, out: str | None, hf_dir: str | None, force: bool) -> None:
+def check_export_targets(
+    checkpoint: str | Path, out: str | None, hf_dir: str | None, force: bool, adapter_dir: str | None = None
+) -> None:
     """Refuse before reading anything: a target inside the checkpoint (never, even with ``force``), an
     existing file or non-empty directory (without ``force``), a path that is a directory, under a file,
     or not writable."""
     source = Path(checkpoint).resolve()
     read_meta(checkpoint_root(source))
-    for target, flag in ((out, "--out"), (hf_dir, "--hf-dir")):
+    for target, flag in ((out, "--out"), (hf_dir, "--hf-dir"), (adapter_dir, "--adapter-dir")):
         if target is None:
             continue
         resolved = Path(target).resolve()
@@ -41,11 +43,13 @@ def check_export_targets(checkpoint: str | Path, out: str | None, hf_dir: str | 
             )
     if out is not None:
         check_output_file(out, "--out", force)
-    if hf_dir is not None:
-        path = check_output_dir(hf_dir, "--hf-dir")
+    for target, flag in ((hf_dir, "--hf-dir"), (adapter_dir, "--adapter-dir")):
+        if target is None:
+            continue
+        path = check_output_dir(target, flag)
         if path.is_dir() and any(path.iterdir()) and not force:
             raise InputError(
-                f"--hf-dir '{hf_dir}' exists and is not empty: choose another directory, or pass --force to write "
+                f"{flag} '{target}' exists and is not empty: choose another directory, or pass --force to write "
                 "over its files."
             )
 
@@ -101,27 +105,49 @@ def load_full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def export_safetensors(path: str | Path, out: str | Path) -> Path:
-    """Write the checkpoint's model to one ``.safetensors`` file (tied weights stored once each name)."""
+    """Write the checkpoint's model to one ``.safetensors`` file (tied weights stored once each name); a
+    LoRA run's with its adapters folded in (the names its base model has)."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().contiguous().clone() for k, v in load_full_model_state(path).items()}
+    cfg = stored_config(path, required=False)
+    if cfg is not None and cfg.model.lora is not None:
+        from tessera.models.lora import merged
+
+        state = merged(_trained_model(path, cfg)).state_dict()
+    else:
+        state = load_full_model_state(path)
+    tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"format": "pt", "source": str(path)})
     return out
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")  # fmt: skip
+def stored_config(path: str | Path, required: bool = True) -> Any:
+    """The training config a checkpoint records (None where it records none and ``required`` is False)."""
+    from tessera.config import parse_config
+
+    meta = read_meta(checkpoint_root(path))
+    if "config" not in meta:
+        if not required:
+            return None
+        raise CheckpointError(f"checkpoint '{path}' records no training config: cannot tell which model it holds.")
+    return parse_config(meta["config"], source=f"the config stored in '{path}'")
 
 
-def copy_tokenizer(source: Path, out_dir: Path) -> None:
-    """The pretrained directory's tokenizer files (those it has) into ``out_dir``."""
-    import shutil
+def tokenizer_source_of(cfg: Any) -> Path | None:
+    """Where the tokenizer a run trained with lies (its directory, or its tokenizer.json), None for bytes:
+    ``data.tokenizer``, else the prepared data's own, else the pretrained model's."""
+    from tessera.data.shards import read_index
+    from tessera.data.tokenizer import is_tokenizer_dir
 
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out_dir / name)
+    if cfg.data.tokenizer is not None:
+        return None if cfg.data.tokenizer == "bytes" else Path(cfg.data.tokenizer)
+    if cfg.data.prepared is not None:
+        kept = read_index(cfg.data.prepared)["tokenizer"]
+        return None if kept == "bytes" else Path(cfg.data.prepared) / kept
+    pretrained = cfg.model.pretrained
+    return Path(pretrained) if pretrained is not None and is_tokenizer_dir(Path(pretrained)) else None
 
 
 def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
@@ -145,27 +171,63 @@ def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
     return model
 
 
-def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it."""
-    from tessera.config import parse_config
-    from tessera.models.lora import merged
+def _trained_model(path: str | Path, cfg: Any) -> torch.nn.Module:
+    """The model a checkpoint holds, whole: its weights, or a LoRA run's adapters on their base."""
     from tessera.train.build import build_model
 
-    meta = read_meta(checkpoint_root(path))
-    if "config" not in meta:
-        raise CheckpointError(f"checkpoint '{path}' records no training config: cannot tell which model it holds.")
-    cfg = parse_config(meta["config"], source=f"the config stored in '{path}'")
+    if read_meta(checkpoint_root(path)).get("frozen", True) is not True:
+        return _adapters_on_their_base(path, cfg)
+    model = build_model(cfg, weights=False)  # the checkpoint's weights go into it
+    model.load_state_dict(load_full_model_state(path), strict=True)
+    return model
+
+
+def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """Rebuild the Hugging Face model named in the checkpoint's config and ``save_pretrained`` it, LoRA
+    adapters folded in, with every file of the tokenizer it trained with."""
+    from tessera.data.tokenizer import copy_tokenizer
+    from tessera.models.lora import merged
+
+    cfg = stored_config(path)
     if not cfg.model.kind.startswith("hf_"):
         raise CheckpointError(
             f"--hf-dir needs a Hugging Face model, but this checkpoint holds model.kind='{cfg.model.kind}': "
             "export it with --out model.safetensors instead."
         )
-    if meta.get("frozen", True) is True:
-        model = build_model(cfg, weights=False)  # the checkpoint's weights go into it
-        model.load_state_dict(load_full_model_state(path), strict=True)
-    else:
-        model = _adapters_on_their_base(path, cfg)
-    merged(model).save_pretrained(str(out_dir))  # LoRA adapters folded into a full model
-    if cfg.model.pretrained is not None:  # a complete Hugging Face directory: the tokenizer beside the weights
-        copy_tokenizer(Path(cfg.model.pretrained), Path(out_dir))
+    merged(_trained_model(path, cfg)).save_pretrained(str(out_dir))
+    if (tokenizer := tokenizer_source_of(cfg)) is not None:  # a complete directory: the tokenizer beside the weights
+        copy_tokenizer(tokenizer, Path(out_dir))
+    return Path(out_dir)
+
+
+def export_adapter(path: str | Path, out_dir: str | Path) -> Path:
+    """A LoRA run's adapters as a PEFT adapter folder, written by peft's own ``save_pretrained``
+    (``adapter_config.json`` + ``adapter_model.safetensors``): ``PeftModel.from_pretrained(base, out_dir)``
+    puts them on the base model. The base is not read (it stays on meta): the adapters alone are written.
+
+    Example::
+
+        export_adapter("runs/finetune/checkpoints/step_00000300", "adapter/")
+    """
+    from tessera.models.lora import is_adapter
+    from tessera.train.build import build_model
+
+    cfg = stored_config(path)
+    if cfg.model.lora is None:
+        raise CheckpointError(
+            f"--adapter-dir needs a LoRA run, but the config stored in '{path}' has no model.lora: export the full "
+            "model with --out or --hf-dir."
+        )
+    model = build_model(cfg)  # a pretrained base stays on meta; the adapters are real
+    adapters = {k: v for k, v in load_full_model_state(path).items() if is_adapter(k)}
+    expected = {n for n, _ in model.named_parameters() if is_adapter(n)}
+    if adapters.keys() != expected:
+        raise CheckpointError(
+            f"checkpoint '{path}' does not hold this config's adapters: {len(expected - adapters.keys())} missing, "
+            f"{len(adapters.keys() - expected)} unexpected."
+        )
+    model.load_state_dict(adapters, strict=False)
+    if cfg.model.pretrained is not None:  # where PeftModel.from_pretrained's users find the base
+        model.peft_config["default"].base_model_name_or_path = str(Path(cfg.model.pretrained).resolve())
+    model.save_pretrained(str(out_dir))
     return Path(out_dir)

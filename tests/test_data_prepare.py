@@ -58,7 +58,7 @@ def test_every_kind_of_input_becomes_the_documents_tokens_in_order(tokenizer: Pa
     for i in (0, 7, len(data) - 1):
         item = data[i]
         assert item["x"].tolist() == want[i * 16 : i * 16 + 16] and item["y"].tolist() == want[i * 16 + 1 : i * 16 + 17]
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == tokenizer.read_text()  # it carries its tokenizer
+    assert (tmp_path / "out" / "tokenizer" / "tokenizer.json").read_text() == tokenizer.read_text()  # it carries it
 
 
 def test_an_interrupted_preparation_resumes_with_the_pieces_left(tokenizer: Path, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Tokenizers (issue 15, item 2): bytes, or a tokenizer.json through the tokenizers library (a pretrained
-model's own by default); the vocabulary checked against the model before anything runs."""
+"""Tokenizers (issue 15, item 2; issue 33, item 1): bytes, or a Hugging Face tokenizer read by transformers from
+its directory (a pretrained model's own by default); the vocabulary checked against the model before anything
+runs."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_the_model_is_sized_to_the_tokenizer_or_checked_against_it(tokenizer_jso
     with pytest.raises(ConfigError, match=r"vocabulary of 300 tokens, but the data's tokenizer \(data.tokenizer .*"
                        r"\) gives ids up to 399"):  # fmt: skip
         build_model(parse_config(_config(tmp_path, {"pretrained": str(small)}, tokenizer=str(tokenizer_json))))
-    with pytest.raises(InputError, match="has no tokenizer.json, and data.tokenizer is not set"):
+    with pytest.raises(InputError, match=r"has no tokenizer \(no tokenizer.json .*\), and data.tokenizer is not set"):
         build_model(parse_config(_config(tmp_path, {"pretrained": str(small)})))
     (small / "tokenizer.json").write_text(tokenizer_json.read_text())  # its own, by default: too large for it
     with pytest.raises(ConfigError, match=r"\(its own tokenizer\) gives ids up to 399"):
@@ -67,11 +68,42 @@ def test_the_model_is_sized_to_the_tokenizer_or_checked_against_it(tokenizer_jso
 def test_a_tokenizer_that_is_not_there_or_not_one_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.tokenizer='nowhere.json' does not exist"):
         parse_config(_config(tmp_path, {}, tokenizer="nowhere.json"))
-    with pytest.raises(InputError, match="is a directory without a tokenizer.json"):
+    with pytest.raises(InputError, match="is a directory without a tokenizer"):
         load_tokenizer(str(tmp_path))
     bad = tmp_path / "tokenizer.json"
     bad.write_text(json.dumps({"not": "a tokenizer"}))
-    with pytest.raises(InputError, match="is not a tokenizer.json the tokenizers library reads"):
+    with pytest.raises(InputError, match="is not a tokenizer.json transformers reads"):
         load_tokenizer(str(bad))
     assert torch.equal(PackedText(default_corpus()[:1], 16, 200).tokens, PackedText(default_corpus()[:1], 16, 200,
                        tokenizer=ByteTokenizer()).tokens)  # fmt: skip
+
+
+def test_a_tokenizer_saved_by_transformers_brings_its_chat_template_special_and_added_tokens(
+    tokenizer_json: Path, tmp_path: Path
+) -> None:
+    """Current transformers writes the chat template to chat_template.jinja (tokenizer_config.json holds none):
+    read from the directory, the template, the end token the config names and an added token all work, and
+    chat records train; every file is copied whole (a prepared folder or an export carries the tokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tessera.data.instructions import IGNORED, InstructionData
+    from tessera.data.tokenizer import copy_tokenizer
+
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}<eot>{% endfor %}"
+    saved = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
+    saved.add_special_tokens({"eos_token": "<eot>"})  # an added token, and the end of a document
+    saved.chat_template = template + "{% if add_generation_prompt %}[assistant]{% endif %}"
+    saved.save_pretrained(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    tok = load_tokenizer(str(tmp_path / "saved"))
+    assert tok.vocab_size == 401 and tok.end_of_document == [400] == tok.encode("<eot>")
+    assert tok.chat_template == saved.chat_template
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    item = InstructionData([str(tmp_path / "c.jsonl")], tok, 32)[0]
+    assert tok.decode(item["y"][item["y"] != IGNORED].tolist()) == "hello<eot>"
+    copied = copy_tokenizer(tmp_path / "saved", tmp_path / "copy")
+    assert set(copied) == {p.name for p in (tmp_path / "saved").iterdir()}
+    again = load_tokenizer(str(tmp_path / "copy"))
+    assert again.chat_template == tok.chat_template and again.end_of_document == [400]

@@ -2,7 +2,7 @@
 
 Each jsonl record is ``{"prompt": ..., "response": ...}`` or ``{"messages": [{"role": ..., "content":
 ...}, ...]}`` (roles system, user, assistant), the latter rendered with the tokenizer's chat template
-(``chat_template`` in the ``tokenizer_config.json`` beside its ``tokenizer.json``). The prompt's (or
+(transformers keeps it in ``chat_template.jinja`` or ``tokenizer_config.json``). The prompt's (or
 non-assistant turns') targets are ``-100``, which the loss ignores, as is the padding; a record longer
 than a sequence is cut (counted). A record per sequence, or with ``pack`` as many whole records as fit,
 kept apart by per-record positions and an attention mask: no token attends to another record's.
@@ -49,17 +49,16 @@ def read_records(paths: list[str], bad: BadRecords) -> list[dict[str, Any]]:
 class ChatTemplate:
     """A tokenizer's chat template (transformers renders it), split into each message's text."""
 
-    def __init__(self, tokenizer_json: Path) -> None:
-        from transformers import PreTrainedTokenizerFast
-
-        config = tokenizer_json.parent / "tokenizer_config.json"
-        template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    def __init__(self, tokenizer: Any) -> None:
+        template = getattr(tokenizer, "chat_template", None)
         if not template:
+            where = getattr(tokenizer, "path", "bytes")
             raise InputError(
-                f"the tokenizer '{tokenizer_json}' has no chat_template (tokenizer_config.json beside it): write "
-                "records as prompt/response, or give a tokenizer with a chat template."
+                f"the tokenizer '{where}' has no chat template (transformers keeps it in chat_template.jinja or in "
+                "tokenizer_config.json's chat_template): write records as prompt/response, or give a tokenizer "
+                "with a chat template."
             )
-        self.renderer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=template)
+        self.renderer = tokenizer.hf
 
     def segments(self, messages: list[dict[str, str]]) -> list[tuple[str, str]]:
         """``(role, text)`` pieces of the rendered conversation, in order: each message's text (the conversation
@@ -148,9 +147,8 @@ class InstructionData(Dataset):
     ) -> None:
         bad = BadRecords(on_bad_record)
         records = read_records(paths, bad)
-        tokenizer_json = getattr(tokenizer, "path", None)
         needs_chat = any("messages" in r for r in records)
-        chat = ChatTemplate(tokenizer_json) if needs_chat and tokenizer_json is not None else None
+        chat = ChatTemplate(tokenizer) if needs_chat and hasattr(tokenizer, "hf") else None  # bytes: none
         self.truncated, pieces = 0, []
         for record in records:
             try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ import numpy as np
 
 from tessera.data.records import BadRecords, json_objects
 from tessera.data.text import matching
-from tessera.data.tokenizer import load_tokenizer, tokenizer_file
+from tessera.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_source
 from tessera.inputs import InputError
 
 FORMAT = 1
@@ -216,7 +215,7 @@ def prepare(
     Returns the index (also written to ``out/index.json``)."""
     BadRecords(on_bad_record)  # refuses a value other than stop or skip
     out = Path(out)
-    spec = tokenizer if tokenizer == "bytes" else str(tokenizer_file(tokenizer, "--tokenizer").resolve())
+    spec = tokenizer if tokenizer == "bytes" else str(tokenizer_source(tokenizer, "--tokenizer").resolve())
     tok = load_tokenizer(spec)
     files = input_files(inputs)
     settings = Settings([str(f.resolve()) for f in files], field, spec, on_bad_record)
@@ -226,7 +225,7 @@ def prepare(
     done = {p.index for p in pieces if (out / "shards" / f"{p.index:06d}.json").is_file()}
     todo = [p for p in pieces if p.index not in done]
     if spec != "bytes":
-        shutil.copy2(spec, out / "tokenizer.json")  # the prepared folder carries its tokenizer
+        copy_tokenizer(Path(spec), out / "tokenizer")  # the prepared folder carries its tokenizer, every file
     started, made = time.perf_counter(), 0
     bar = _Progress(len(pieces), len(done), progress)
     jobs = [(p, out, field, on_bad_record, dtype) for p in todo]
@@ -301,7 +300,7 @@ def _write_index(out: Path, pieces: list[Piece], tok: Any, spec: str, dtype: str
         "format": FORMAT,
         "dtype": dtype,
         "vocab_size": tok.vocab_size,
-        "tokenizer": "bytes" if spec == "bytes" else "tokenizer.json",
+        "tokenizer": "bytes" if spec == "bytes" else "tokenizer",  # a folder (earlier: tokenizer.json)
         "end_of_document": list(tok.end_of_document),
         **totals,
         "shards": shards,

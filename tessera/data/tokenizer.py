@@ -1,9 +1,10 @@
-"""Tokenizers: bytes (nothing to train or download), or a Hugging Face ``tokenizer.json`` through the
-``tokenizers`` library — a pretrained model's own by default.
+"""Tokenizers: bytes (nothing to train or download), or a Hugging Face tokenizer read the way transformers
+writes it — a pretrained model's own by default.
 
-``data.tokenizer: bytes`` keeps byte tokens; ``data.tokenizer: PATH`` takes a ``tokenizer.json`` file
-or a directory holding one; left unset, a ``model.pretrained`` directory's own ``tokenizer.json`` is
-used, and bytes otherwise.
+``data.tokenizer: bytes`` keeps byte tokens; ``data.tokenizer: PATH`` takes a tokenizer directory (what
+``tokenizer.save_pretrained`` writes: ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
+special and added tokens) or a lone ``tokenizer.json`` file; left unset, a ``model.pretrained`` directory's
+own tokenizer is used, and bytes otherwise.
 
 Example:
     >>> tok = load_tokenizer("my_tokenizer/")
@@ -14,15 +15,16 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tessera.data.text import ByteTokenizer
 from tessera.inputs import InputError
 
 # The names tokenizers give the token that ends a document, most common first.
 END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>", "[SEP]")
+# What marks a directory as a tokenizer's: the fast tokenizer's file, or the config transformers writes.
+TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json")
 
 
 class Tokenizer(Protocol):
@@ -39,36 +41,31 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` through the ``tokenizers`` library (no special tokens added on encode: documents
-    are separated by the end token, which packing puts between them)."""
+    """A Hugging Face tokenizer, read by transformers from its directory (``PreTrainedTokenizerFast``, or
+    ``AutoTokenizer`` where there is no ``tokenizer.json`` to read as it is); it encodes through its
+    ``tokenizers`` backend with no special tokens added: documents are separated by the end token
+    (``eos_token``), which packing puts between them. ``chat_template``: the tokenizer's own, wherever
+    transformers keeps it (``chat_template.jinja`` or ``tokenizer_config.json``)."""
 
     def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as Inner
-
-        try:
-            self.inner = Inner.from_file(str(path))
-        except Exception as exc:  # the Rust library's own error: not JSON, or not a tokenizer
-            reason = " ".join(str(exc).split())[:200]
-            raise InputError(
-                f"data.tokenizer '{path}' is not a tokenizer.json the tokenizers library reads ({reason})."
-            ) from None
         self.path = path
+        self.hf = _read(path)
+        self.inner = self.hf.backend_tokenizer
         self.vocab_size = self.inner.get_vocab_size(with_added_tokens=True)
-        self._end = self._end_token(path.parent)
+        self._end = self._end_token()
 
-    def _end_token(self, folder: Path) -> list[int]:
-        configured = None
-        config = folder / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-                configured = eos.get("content") if isinstance(eos, dict) else eos
-            except (ValueError, AttributeError):
-                configured = None
-        for name in (configured, *END_TOKENS):
+    def _end_token(self) -> list[int]:
+        for name in (self.hf.eos_token, *END_TOKENS):
             if isinstance(name, str) and (token := self.inner.token_to_id(name)) is not None:
                 return [token]
         return self.encode("\n")  # no end token: a newline, as the byte tokenizer separates files
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self.hf.chat_template
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default")
+        return template or None
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
@@ -89,23 +86,80 @@ class HFTokenizer:
         return self._end
 
 
+def _read(path: Path) -> Any:
+    """The transformers tokenizer at ``path`` (a directory, or a tokenizer.json file), or a bad-input error."""
+    from tokenizers import Tokenizer as Inner
+
+    folder = path if path.is_dir() else path.parent
+    json_file = path if path.is_file() else folder / "tokenizer.json"
+    if json_file.is_file():  # the tokenizers library's own reason, where transformers would give a KeyError
+        try:
+            Inner.from_file(str(json_file))
+        except Exception as exc:  # the Rust library's error: not JSON, or not a tokenizer
+            reason = " ".join(str(exc).split())[:200]
+            raise InputError(
+                f"data.tokenizer '{json_file}' is not a tokenizer.json transformers reads ({reason})."
+            ) from None
+    with _quiet_transformers():
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        try:
+            if path.is_file() and path.name != "tokenizer.json":  # a file by another name: no directory to read
+                return PreTrainedTokenizerFast(tokenizer_file=str(path))
+            if json_file.is_file():
+                return PreTrainedTokenizerFast.from_pretrained(str(folder))
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))  # e.g. a sentencepiece model, converted
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            reason = " ".join(str(exc).split())[:240]
+            raise InputError(
+                f"data.tokenizer '{path}': transformers cannot read a tokenizer there ({reason}). Give a directory "
+                "that tokenizer.save_pretrained wrote, a tokenizer.json, or data.tokenizer: bytes."
+            ) from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError(
+            f"data.tokenizer '{path}' is a slow (Python) tokenizer: save it as a fast one "
+            "(AutoTokenizer.from_pretrained(..., use_fast=True).save_pretrained(...) writes tokenizer.json)."
+        )
+    return tokenizer
+
+
+class _quiet_transformers:
+    """transformers' own logging held at ERROR while it reads a tokenizer (it warns, e.g., when the class a
+    directory names is not the one reading it: harmless here, as the backend is what encodes)."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging
+
+        self._level = logging.get_verbosity()
+        logging.set_verbosity_error()
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.utils import logging
+
+        logging.set_verbosity(self._level)
+
+
 @functools.lru_cache(maxsize=8)
 def _hf_tokenizer(path: str) -> HFTokenizer:
     return HFTokenizer(Path(path))
 
 
-def tokenizer_file(spec: str | Path, field: str = "data.tokenizer") -> Path:
-    """The ``tokenizer.json`` a path names: the file itself, or the one in a directory."""
+def is_tokenizer_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a tokenizer (its tokenizer.json or tokenizer_config.json)."""
+    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_MARKS)
+
+
+def tokenizer_source(spec: str | Path, field: str = "data.tokenizer") -> Path:
+    """What a path names as a tokenizer: a directory holding one, or a tokenizer.json file."""
     path = Path(spec)
     if path.is_dir():
-        path = path / "tokenizer.json"
-        if not path.is_file():
+        if not is_tokenizer_dir(path):
             raise InputError(
-                f"{field} '{spec}' is a directory without a tokenizer.json: give the tokenizer.json file, a "
-                "directory holding one (tokenizer.save_pretrained writes it), or data.tokenizer: bytes."
+                f"{field} '{spec}' is a directory without a tokenizer (no tokenizer.json or tokenizer_config.json): "
+                "give the directory tokenizer.save_pretrained wrote, a tokenizer.json, or data.tokenizer: bytes."
             )
     elif not path.is_file():
-        raise InputError(f"{field} '{spec}' does not exist: give a tokenizer.json, its directory, or bytes.")
+        raise InputError(f"{field} '{spec}' does not exist: give a tokenizer directory, a tokenizer.json, or bytes.")
     return path
 
 
@@ -115,10 +169,38 @@ def load_tokenizer(spec: str | None, pretrained: str | None = None) -> ByteToken
         return ByteTokenizer()
     if spec is None:
         assert pretrained is not None
-        if not (Path(pretrained) / "tokenizer.json").is_file():
+        if not is_tokenizer_dir(Path(pretrained)):
             raise InputError(
-                f"model.pretrained '{pretrained}' has no tokenizer.json, and data.tokenizer is not set: give "
-                "data.tokenizer (a tokenizer.json or its directory), or data.tokenizer: bytes for byte tokens."
+                f"model.pretrained '{pretrained}' has no tokenizer (no tokenizer.json or tokenizer_config.json), and "
+                "data.tokenizer is not set: give data.tokenizer (a tokenizer directory or tokenizer.json), or "
+                "data.tokenizer: bytes for byte tokens."
             )
-        return _hf_tokenizer(str((Path(pretrained) / "tokenizer.json").resolve()))
-    return _hf_tokenizer(str(tokenizer_file(spec).resolve()))
+        return _hf_tokenizer(str(Path(pretrained).resolve()))
+    return _hf_tokenizer(str(tokenizer_source(spec).resolve()))
+
+
+# The files transformers reads a tokenizer from (those a directory has are copied whole: bit for bit, so an
+# export or a prepared folder holds the tokenizer as it was written), and the patterns of the others.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "generation_config.json")  # fmt: skip
+TOKENIZER_PATTERNS = ("*.jinja", "*.model", "*.tiktoken", "additional_chat_templates")
+
+
+def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer at ``source`` (a directory, or a tokenizer.json file) into ``out_dir``: every file
+    of it there is (a chat template in ``chat_template.jinja`` included). Returns the names copied."""
+    import shutil
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if source.is_file():
+        shutil.copy2(source, out_dir / "tokenizer.json")
+        return ["tokenizer.json"]
+    found = {source / name for name in TOKENIZER_FILES} | {p for g in TOKENIZER_PATTERNS for p in source.glob(g)}
+    copied = []
+    for path in sorted(p for p in found if p.exists()):
+        if path.is_dir():
+            shutil.copytree(path, out_dir / path.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(path, out_dir / path.name)
+        copied.append(path.name)
+    return copied
