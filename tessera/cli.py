@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.add_argument(
-        "--overwrite", action="store_true", help="a fresh run may delete another run's checkpoints in its run directory"
+        "--overwrite",
+        action="store_true",
+        help="start fresh: delete another run's checkpoints and metrics in the run directory (whatever "
+        "checkpoint.resume says)",
     )
     train.add_argument("--nproc", type=_count(1), default=2, help="ranks per node")
     train.add_argument("--nnodes", type=_count(1), default=1)
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed {len(removed)} stale testbed(s){': ' + ', '.join(removed) if removed else ''}")
             return 0
         if args.command == "train":
+            if args.resume and args.overwrite:
+                raise ValueError("--resume continues a run and --overwrite starts a fresh one: pass one of them.")
             if args.resume:
                 args.overrides.append("checkpoint.resume=auto")
             from tessera.launch.commands import train

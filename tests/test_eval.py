@@ -57,10 +57,15 @@ def test_eval_without_held_out_data_or_with_too_little_is_refused(tmp_path: Path
         parse_config({**config, "eval": {"every": 2}})
     from tessera.data.held_out import split_validation
 
-    with pytest.raises(ConfigError, match="holds out 5 of the data's 100 sequences, but each side needs a global"):
+    with pytest.raises(ConfigError, match=r"holds out 5 of the data's 100 sequences, .* each need a whole global "
+                       r"batch \(train.global_batch_size=8\): set data.validation between 0.08 and 0.49"):  # fmt: skip
         split_validation(list(range(100)), 0.05, 8)
-    train, held = split_validation(list(range(100)), 0.1, 8)
-    assert list(train) == list(range(90)) and list(held) == list(range(90, 100))
+    train, held = split_validation(list(range(100)), 0.08, 8)  # the smallest share the refusal named works
+    assert list(train) == list(range(92)) and list(held) == list(range(92, 100))
+    split_validation(list(range(100)), 0.49, 8)  # and the largest
+    with pytest.raises(ConfigError, match="16 sequences cannot give both: lower train.global_batch_size to 7 or less"):
+        split_validation(list(range(16)), 0.05, 16)  # the fine-tuning example's 16 packed sequences (issue 33)
+    split_validation(list(range(16)), 0.45, 7)
 
 
 def _evaluate_under_a_v_schedule() -> str:

@@ -59,7 +59,9 @@ def test_the_fine_tuning_example_runs_end_to_end_and_exports_a_hugging_face_mode
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 
-    cli("train", str(EXAMPLE), "--nproc", "2", *overrides)
+    printed = cli("train", str(EXAMPLE), "--nproc", "2", *overrides)
+    adapters = 2 * 8 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32))  # 2 layers, r=8 on q, k, v (2 KV heads), o
+    assert f"trainable {adapters:,} (" in printed, printed[-2000:]
     run = tmp_path / "runs" / "finetune"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     held = [r for r in records if "val_loss" in r]

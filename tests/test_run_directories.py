@@ -47,12 +47,13 @@ def test_a_fresh_run_refuses_another_runs_directory_and_touches_nothing(tmp_path
     assert old.is_dir() and owner(tmp_path) == "old" and "400" in (tmp_path / "metrics.jsonl").read_text()
 
 
-def test_overwrite_replaces_the_old_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resume", ["never", "auto"])
+def test_overwrite_replaces_the_old_run_whatever_resume_says(tmp_path: Path, resume: str) -> None:
     decide(tmp_path, "old", "never", overwrite=False)
     fake_checkpoint(tmp_path, 400, "old")
     (tmp_path / "metrics.jsonl").write_text('{"step": 400}\n')
     (tmp_path / "notes.txt").write_text("mine")  # not a run output: kept
-    claim = decide(tmp_path, "new", "never", overwrite=True)
+    claim = decide(tmp_path, "new", resume, overwrite=True)  # the example's resume: auto, too (issue 33)
     assert not claim.resume and owner(tmp_path) == "new"
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
     assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -6,20 +6,45 @@ length alone); each rank then splits its dataset the same way (:func:`split_vali
 
 from __future__ import annotations
 
+import math
+
 from torch.utils.data import Dataset, Subset
 
 from tessera.config import ConfigError
 
 
+def workable_shares(n: int, global_batch: int) -> tuple[float, float] | None:
+    """The smallest and largest ``data.validation`` (in hundredths, under 0.5) that hold out at least a global
+    batch of ``n`` sequences and leave at least one to train on; None when no share can."""
+    low = math.ceil(global_batch / n * 100) / 100
+    while int(n * low) < global_batch:  # floating point: 0.13 * 127 may fall just short
+        low = round(low + 0.01, 2)
+    high = min(math.floor((n - global_batch) / n * 100) / 100, 0.49)
+    while high > 0 and n - int(n * high) < global_batch:
+        high = round(high - 0.01, 2)
+    return (low, high) if low <= high else None
+
+
 def check_held_out(n: int, share: float, global_batch: int) -> int:
-    """How many of ``n`` sequences the last ``share`` holds out; refused unless each side fills a global batch."""
+    """How many of ``n`` sequences the last ``share`` holds out; refused unless each side fills a global batch,
+    the refusal giving the shares (or the global batch) that would work."""
     held = int(n * share)
-    if share and (held < global_batch or n - held < global_batch):
-        raise ConfigError(
-            f"data.validation={share} holds out {held} of the data's {n} sequences, but each side needs a global "
-            f"batch (train.global_batch_size={global_batch}): change data.validation or add data."
-        )
-    return held
+    if not share or (held >= global_batch and n - held >= global_batch):
+        return held
+    head = (
+        f"data.validation={share} holds out {held} of the data's {n} sequences, but the held-out and the training "
+        f"sequences each need a whole global batch (train.global_batch_size={global_batch})"
+    )
+    if (shares := workable_shares(n, global_batch)) is not None:
+        low, high = shares
+        fits = f"data.validation: {low}" if low == high else f"data.validation between {low} and {high}"
+        raise ConfigError(f"{head}: set {fits}, or lower train.global_batch_size.")
+    largest = max((b for b in range(1, n) if workable_shares(n, b) is not None), default=0)
+    fixes = f"lower train.global_batch_size to {largest} or less, " if largest else ""
+    raise ConfigError(
+        f"{head}, and {n} sequences cannot give both: {fixes}give more records or a shorter data.seq_len (more "
+        "sequences), or set data.validation: 0 (no held-out loss)."
+    )
 
 
 def split_validation(dataset: Dataset, share: float, global_batch: int) -> tuple[Dataset, Dataset | None]:

@@ -6,7 +6,8 @@ makes once per launch and torchrun's restarts keep). When a rank starts, rank 0 
 - the directory holds this same run (a torchrun restart): continue from its newest checkpoint,
   whatever ``checkpoint.resume`` says, so a restart never silently starts again from step 0;
 - it holds another run and ``checkpoint.resume: auto`` (``--resume``): continue that run;
-- it holds another run and ``resume: never``: refuse, unless ``--overwrite`` asks to delete it;
+- it holds another run and ``resume: never``: refuse;
+- ``--overwrite``: delete another run's outputs and start fresh, whatever ``checkpoint.resume`` says;
 - it is empty: claim it.
 
 Every checkpoint records its run id, and only the owner's checkpoints are resumed or pruned.
@@ -104,7 +105,7 @@ def decide(run_dir: Path, run_id: str, resume: str, overwrite: bool) -> RunClaim
     if not _holds_a_run(run_dir):
         _write_owner(run_dir, run_id)
         return RunClaim(run_id, resume=False)
-    if resume == "auto":
+    if resume == "auto" and not overwrite:  # --overwrite starts fresh, whatever resume says
         if owner is None:  # written before runs had ids: adopt it under the newest checkpoint's id, or a new one
             ckpts = list_checkpoints(run_dir / "checkpoints")
             owner = (checkpoint_run_id(ckpts[-1]) if ckpts else None) or new_run_id()

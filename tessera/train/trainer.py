@@ -39,8 +39,8 @@ class Trainer:
     """One training run: set-up from the config, then ``run()``; each method does one job."""
 
     def __init__(self, cfg: Config, overwrite: bool = False) -> None:
-        """``overwrite``: a fresh run (``checkpoint.resume: never``) may delete another run's files in its
-        run directory instead of refusing to start (see :mod:`tessera.launch.rundir`)."""
+        """``overwrite``: a fresh run, whatever ``checkpoint.resume`` says, that deletes another run's files in
+        its run directory instead of refusing to start or resuming it (see :mod:`tessera.launch.rundir`)."""
         self.cfg = cfg
         tessera.init(timeout_s=cfg.train.timeout_s)
         torch.manual_seed(cfg.train.seed)
@@ -57,6 +57,10 @@ class Trainer:
         model = build_model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        if self.rank0:
+            n_trainable = sum(p.numel() for p in trainable)
+            print(f"parameters: {self.n_params:,}, trainable {n_trainable:,} ({n_trainable / self.n_params:.2%})",
+                  flush=True)  # fmt: skip
         self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, trainable))
         self.experts = moe_layers(model)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
@@ -70,7 +74,10 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.saving = False  # where() tells a failure inside a save from one inside a step
         self.owner = rundir.claim(cfg.run_dir, cfg.checkpoint.resume, overwrite)
-        self.resumed_from = self._restore() if self.owner.resume else self._restore_group_from_its_run()
+        fresh = overwrite or self.owner.resume
+        self.resumed_from = (
+            self._restore() if self.owner.resume else None if fresh else self._restore_group_from_its_run()
+        )
         self.job_peak = job_peak_tflops(cfg.train.peak_tflops, self.booster.device)  # may refuse: no file yet
         self.flops_per_token = self._flops_per_token()
         self.losses: list[float] = []
