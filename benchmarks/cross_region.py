@@ -193,8 +193,8 @@ def sync_check(work: Path) -> dict[str, dict[str, float]]:
     hierarchical step minus DiLoCo H=50's median step that does not sync."""
     from tessera.cluster.spec import Cluster
     from tessera.config import parse_config
+    from tessera.models.build import build_model
     from tessera.planner.outer import sync_seconds
-    from tessera.train.build import build_model
 
     cluster = Cluster.from_dict(cluster_spec())
     predict = sync_seconds(cluster, [[cluster.nodes[0]], [cluster.nodes[1]]])

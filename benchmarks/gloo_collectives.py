@@ -44,7 +44,7 @@ IDLE_S = 0.05  # before each collective "after idle": longer than the slow link'
 
 def demo_model():
     from tessera.config import load_config
-    from tessera.train.build import build_model
+    from tessera.models.build import build_model
 
     path = Path(tempfile.mkdtemp(prefix="gloo-collectives-")) / "model.yaml"
     path.write_text(yaml.safe_dump(config(path.parent, {"preset": "ddp"}, 1, "probe")))

@@ -55,9 +55,9 @@ def planned_plan(spec: dict) -> tuple[Any, Any, Any, Any]:
     from tessera import Plan
     from tessera.cluster.spec import Cluster
     from tessera.config import parse_config
+    from tessera.models.build import build_model
     from tessera.planner.costs import ModelCosts
     from tessera.planner.experts import expert_costs, with_experts
-    from tessera.train.build import build_model
 
     with torch.device("meta"):
         model = build_model(parse_config({"model": MODEL, "data": {"seq_len": SEQ}}))

@@ -162,9 +162,9 @@ def measured_inputs(model_file: Path, spec: dict, live: Any) -> tuple[Any, Any, 
 
     from tessera.cluster.spec import Cluster
     from tessera.config import load_config
+    from tessera.models.build import build_model
     from tessera.planner import ModelCosts
     from tessera.planner.live.inputs import measured_cluster, measured_costs
-    from tessera.train.build import build_model
 
     with torch.device("meta"):
         model = build_model(load_config(str(model_file), []))

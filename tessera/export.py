@@ -153,8 +153,8 @@ def tokenizer_source_of(cfg: Any) -> Path | None:
 def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
     """The model of a checkpoint that holds LoRA adapters alone: the base read from ``model.pretrained``
     (checked to be the one they were trained on), the adapters from the checkpoint."""
+    from tessera.models.build import build_model
     from tessera.models.pretrained import check_base_of, load_into, materialize, source_of
-    from tessera.train.build import build_model
 
     check_base_of(checkpoint_root(path), cfg.model.pretrained)
     model = build_model(cfg)  # the base on meta, then read from its files
@@ -173,7 +173,7 @@ def _adapters_on_their_base(path: str | Path, cfg: Any) -> torch.nn.Module:
 
 def _trained_model(path: str | Path, cfg: Any) -> torch.nn.Module:
     """The model a checkpoint holds, whole: its weights, or a LoRA run's adapters on their base."""
-    from tessera.train.build import build_model
+    from tessera.models.build import build_model
 
     if read_meta(checkpoint_root(path)).get("frozen", True) is not True:
         return _adapters_on_their_base(path, cfg)
@@ -209,8 +209,8 @@ def export_adapter(path: str | Path, out_dir: str | Path) -> Path:
 
         export_adapter("runs/finetune/checkpoints/step_00000300", "adapter/")
     """
+    from tessera.models.build import build_model
     from tessera.models.lora import is_adapter
-    from tessera.train.build import build_model
 
     cfg = stored_config(path)
     if cfg.model.lora is None:

@@ -97,7 +97,7 @@ def held_out(checkpoint: str | Path, eval_bytes: int) -> PackedText:
 
 def _model(checkpoint: str | Path) -> nn.Module:
     from tessera.config import parse_config
-    from tessera.train.build import build_model
+    from tessera.models.build import build_model
 
     config = parse_config(read_meta(checkpoint)["config"], source=f"the config in '{checkpoint}'")
     return build_model(config, weights=False)  # the checkpoint's weights are loaded into it

@@ -226,7 +226,8 @@ def resume_from(checkpoint: str) -> None:
     import tessera
     from tessera.checkpoint import load_checkpoint
     from tessera.config import parse_config
-    from tessera.train.build import build_model, build_optimizer
+    from tessera.models.build import build_model
+    from tessera.train.optimizer import build_optimizer
 
     cfg = parse_config(with_change("logging.out_dir", "unused"))
     model = build_model(cfg)

@@ -21,7 +21,7 @@ from tessera.config import ConfigError, parse_config
 def test_eval_every_logs_the_held_out_loss_of_the_trained_model_under_a_pipeline(tmp_path: Path) -> None:
     from tessera.data.text import PackedText, resolve_paths
     from tessera.export import load_full_model_state
-    from tessera.train.build import build_model
+    from tessera.models.build import build_model
 
     config = tiny_config(tmp_path / "runs", 4, 4, {"preset": "ddp", "pp": 2, "microbatches": 2})
     config["data"]["validation"] = 0.1

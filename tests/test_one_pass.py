@@ -1,7 +1,8 @@
 """``tessera train`` does each thing once per process: the launcher parses the config once and resolves its
-plan once, builds no model, and tokenizes the instruction records once for the whole job (its ranks read
-them from the file it hands on); each rank parses the config once, resolves the plan once and builds the
-model once. Counted by wrapping the functions that do each."""
+plan once, builds no model (a plan with tp, sp or pp builds one on meta, to check its shapes), and tokenizes
+the instruction records once for the whole job (its ranks read them from the file it hands on); each rank
+parses the config once, resolves the plan once and builds the model once. Counted by wrapping the functions
+that do each."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_a_pretrained_config_that_cannot_work_is_refused_before_anything_runs(sa
     from test_checkpoint import tiny_config
 
     from tessera.config import ConfigError, parse_config
-    from tessera.train.build import build_model as build_from_config
+    from tessera.models.build import build_model as build_from_config
 
     def config(**model) -> dict:
         base = tiny_config(tmp_path, 2, 2, {"preset": "ddp"})

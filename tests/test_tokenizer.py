@@ -16,7 +16,7 @@ from tessera.config import ConfigError, parse_config
 from tessera.data.text import ByteTokenizer, PackedText, default_corpus
 from tessera.data.tokenizer import HFTokenizer, load_tokenizer
 from tessera.inputs import InputError
-from tessera.train.build import build_model
+from tessera.models.build import build_model
 
 
 @pytest.fixture(scope="module")

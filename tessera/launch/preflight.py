@@ -2,8 +2,9 @@
 
 A mistake found here costs the user a second, not a launch: the config (parsed once) and its plan
 (resolved once, into the jobs the launch starts), the batch split, the corpus, the model's size and
-vocabulary (from its description: no model is built here, :mod:`tessera.models.described`), a memory
-estimate against this machine, the output directory and the run directory's owner.
+vocabulary (from its description, :mod:`tessera.models.described`), the plan's tp, sp and pp against the
+model's shapes (on the model built on the meta device, only for such a plan: :mod:`tessera.models.fits`),
+a memory estimate against this machine, the output directory and the run directory's owner.
 
 What the ranks would otherwise compute again is handed on: instruction records, tokenized here to name a
 bad one before launch, are written to a file the ranks read (:meth:`Checked.handed`).
@@ -144,6 +145,9 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     _check_experts(cfg, plan)
+    for job in checked.jobs:  # each fault-tolerant group's own layout
+        if max(job.plan.tp, job.plan.sp, job.plan.pp) > 1:
+            _check_shapes(cfg, job.plan)
     if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
         raise ConfigError(
             f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
@@ -167,6 +171,21 @@ def _check_run_directory(cfg: Config, overwrite: bool) -> None:
     elif cfg.checkpoint.resume == "auto" and not overwrite:
         if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
             check_base_of(latest, cfg.model.pretrained)  # LoRA adapters alone: the base they were trained on
+
+
+def _check_shapes(cfg: Config, plan: Plan) -> None:
+    """The plan's tp, sp and pp against the model's shapes, on the model built on meta (no memory)."""
+    import torch
+
+    from tessera.models.build import build_model
+    from tessera.models.fits import check_plan_fits
+
+    with torch.device("meta"):
+        model = build_model(cfg, weights=False)
+    try:
+        check_plan_fits(model, plan, cfg.data.seq_len)
+    except PlanError as exc:
+        raise ConfigError(f"plan: {exc}") from None
 
 
 def _check_experts(cfg: Config, plan: Plan) -> None:

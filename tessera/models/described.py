@@ -2,7 +2,7 @@
 parameter count and a check of its vocabulary against the tokenizer's.
 
 The launcher's checks ask here (no model is built before launch); the ranks' builder
-(:mod:`tessera.train.build`) builds from the same descriptions, so both see one model.
+(:mod:`tessera.models.build`) builds from the same descriptions, so both see one model.
 
 Example:
     >>> parameter_count(load_config("examples/demo.yaml"), vocab=256)   # the demo's reference Llama

@@ -11,6 +11,7 @@ import torch
 from tessera.cluster.spec import Cluster
 from tessera.config import load_config, plan_from_config
 from tessera.inputs import check_output_file
+from tessera.models.build import build_model
 from tessera.plan import Plan
 from tessera.planner import ModelCosts, plan_for
 from tessera.planner.draw import draw
@@ -19,7 +20,6 @@ from tessera.planner.live.inputs import measured_cluster, measured_costs
 from tessera.planner.live.records import LiveProfile
 from tessera.planner.outer import regions_of
 from tessera.planner.precision import choose_precision
-from tessera.train.build import build_model
 
 
 def check_plan_file(args: argparse.Namespace) -> int:

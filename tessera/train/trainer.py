@@ -20,15 +20,16 @@ from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from tessera.config import Config, plan_from_config
 from tessera.launch import rundir
 from tessera.memory import release_free_heap
+from tessera.models.build import build_model
 from tessera.models.described import tokenizer_for
 from tessera.models.moe import moe_layers
 from tessera.models.pretrained import base_record, check_base_of
 from tessera.parallel.data_parallel import unwrap as data_parallel_unwrap
 from tessera.testbed.emulate import hooks_from_environment
 from tessera.testbed.seat import current_seat, verify_seat
-from tessera.train.build import build_model, build_optimizer
 from tessera.train.data import training_data
 from tessera.train.metrics import job_peak_tflops, transformer_flops_per_token
+from tessera.train.optimizer import build_optimizer
 from tessera.train.report import RunReport, StepNumbers
 from tessera.train.step import generate, lr_factor, next_token_loss, response_token_loss, train_step
 

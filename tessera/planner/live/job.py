@@ -26,6 +26,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     from tessera.cluster.spec import Cluster
     from tessera.config import load_config, plan_from_config
     from tessera.distributed import pick_device, shutdown
+    from tessera.models.build import build_model
     from tessera.planner.live.measure import (
         SIZES,
         all_reduce_gbs,
@@ -41,7 +42,6 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     from tessera.planner.live.records import LiveProfile
     from tessera.planner.profile import model_key
     from tessera.testbed.seat import current_seat, verify_seat
-    from tessera.train.build import build_model
 
     cfg = load_config(config, [])
     tessera.init(timeout_s=cfg.train.timeout_s)

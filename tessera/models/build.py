@@ -1,12 +1,10 @@
-"""Build what a training config describes (:mod:`tessera.models.described`): the model (reference Llama
-or a Hugging Face family, from sizes, a config file or pretrained files) and the optimizer. Used by the
-trainer, ``tessera plan``, ``tessera export``, ``tessera merge`` and the profiler's job."""
+"""Build the model a training config describes (:mod:`tessera.models.described`): the reference Llama or a
+Hugging Face family, from sizes, a config file or pretrained files, with LoRA adapters when asked. Used by the
+trainer, the launcher's checks (on the meta device), ``tessera plan``, ``tessera export``, ``tessera merge``
+and the profiler's job."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch import nn
 
 from tessera.config import Config
@@ -14,8 +12,6 @@ from tessera.models import hf
 from tessera.models.described import hf_config, llama_config, tokenizer_for, vocabulary_source
 from tessera.models.llama import Llama
 from tessera.models.size import check_vocabulary
-from tessera.optim.lamb import LAMB
-from tessera.optim.lars import LARS
 
 
 def build_model(cfg: Config, weights: bool = True) -> nn.Module:
@@ -49,17 +45,3 @@ def base_model(cfg: Config, weights: bool = True) -> nn.Module:
         model = hf.from_config_file(m.pretrained if m.kind == "hf_pretrained" else m.hf_config)
     check_vocabulary(model.get_input_embeddings().num_embeddings, vocab, *vocabulary_source(cfg))
     return model
-
-
-def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.optimizer`` names, over ``params``."""
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    if o.name == "lamb":
-        return LAMB(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    if o.name == "lars":
-        return LARS(
-            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, trust_coefficient=o.trust_coefficient
-        )
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
