@@ -103,10 +103,7 @@ def _cluster(args: argparse.Namespace) -> int:
             print(text, end="")
         return 0
     cluster = Cluster.load(args.file)
-    for node in cluster.nodes:
-        t = cluster.device_type(node.name)
-        peaks = ", ".join(f"{k} {v:g}" for k, v in t.peak_tflops.items())
-        print(f"{node.name} ({node.region}): {node.count} x {t.name}, {t.memory_gib:g} GiB, {peaks} TFLOP/s")
+    print(cluster.describe())
     print(f"# valid: {cluster.world_size} devices on {len(cluster.nodes)} nodes")
     return 0
 

@@ -129,3 +129,35 @@ def test_cli_check_and_detect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     bad.write_text("nodes:\n  - name: a\n    devices: [{type: A100-80GB, count: 0}]\n")
     assert main(["cluster", "check", str(bad)]) == 2
     assert "count must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_device_entry_needs_its_count_and_a_link_says_its_unit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33, item 4: a missing count was taken as one device; bandwidth_gbs (GB/s) was a unit learnt from
+    the source. gbit_s is Gbit/s, bandwidth_gbs a deprecated alias (8x smaller); both at once is refused;
+    `tessera cluster check` prints every node, device and link with units."""
+    with pytest.raises(ClusterError, match=r"node 'a'.devices\[0\] has no count: write count: N"):
+        Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "H100"}]}]})
+    nodes = [
+        {"name": "a", "devices": [{"type": "H100", "count": 2}]},
+        {"name": "b", "devices": [{"type": "L4", "count": 1}]},
+    ]
+    in_bits = Cluster.from_dict({"nodes": nodes, "links": {"inter_node": {"gbit_s": 100, "latency_us": 10},
+                                 "between": [{"nodes": ["a", "b"], "gbit_s": 1, "latency_us": 500}]}})  # fmt: skip
+    with pytest.warns(FutureWarning, match="bandwidth_gbs .* is deprecated: write gbit_s"):
+        old = {"inter_node": {"bandwidth_gbs": 12.5, "latency_us": 10},
+               "between": [{"nodes": ["a", "b"], "bandwidth_gbs": 0.125, "latency_us": 500}]}  # fmt: skip
+        in_bytes = Cluster.from_dict({"nodes": nodes, "links": old})
+    assert in_bits.links == in_bytes.links and in_bits.pair_links == in_bytes.pair_links
+    assert in_bits.links["inter_node"].bandwidth_gbs == 12.5  # bytes inside: 100 Gbit/s moves 12.5 GB a second
+    assert Cluster.from_dict(in_bits.to_dict()).pair_links == in_bits.pair_links  # written back in gbit_s
+    with pytest.raises(ClusterError, match="gives both gbit_s and bandwidth_gbs"):
+        Cluster.from_dict({"nodes": nodes, "links": {"inter_node": {"gbit_s": 100, "bandwidth_gbs": 12.5}}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(in_bits.to_dict()))
+    assert main(["cluster", "check", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "node a (default): 2 x H100" in printed, printed
+    assert "link inter_node: 100 Gbit/s (12.5 GB/s), latency 10 us" in printed
+    assert "link a - b: 1 Gbit/s (0.125 GB/s), latency 500 us" in printed

@@ -11,12 +11,17 @@ A ``cluster.yaml``::
     device_types:                            # optional: types missing from the catalogue, or overrides
       MyGPU: {peak_tflops: {bf16: 200, fp32: 20}, memory_gib: 48, bandwidth_gbs: 1000}
     links:                                   # optional: defaults below
-      intra_node: {bandwidth_gbs: 300, latency_us: 5}
-      inter_node: {bandwidth_gbs: 25, latency_us: 10}
-      inter_region: {bandwidth_gbs: 1, latency_us: 50000}
+      intra_node: {gbit_s: 2400, latency_us: 5}        # gigabits per second, as links are sold
+      inter_node: {gbit_s: 200, latency_us: 10}
+      inter_region: {gbit_s: 8, latency_us: 50000}
       between:                               # pairs of nodes with their own link
-        - {nodes: [a, b], bandwidth_gbs: 12.5, latency_us: 20}
+        - {nodes: [a, b], gbit_s: 100, latency_us: 20}
         # any link may add burst_bytes: what a shaped link passes at once after idling (default 0)
+
+A device entry needs its ``count``. A link's bandwidth is ``gbit_s`` (Gbit/s); ``bandwidth_gbs`` (GB/s, a
+byte unit: 1 GB/s = 8 Gbit/s) is still read, as a deprecated alias. A device type's ``bandwidth_gbs`` is its
+memory bandwidth in GB/s, as GPU data sheets give it. ``tessera cluster check`` prints every node, device and
+link with its units.
 
 Every mistake is a :class:`ClusterError` naming the node (or link) and the field.
 
@@ -29,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -131,6 +137,22 @@ class Cluster:
         if name in self._by_name:
             return self._by_name[name]
         raise ClusterError(f"no node named {name!r}{nearest(name, [n.name for n in self.nodes])}.")
+
+    def describe(self) -> str:
+        """Every node with its devices, and every link, with units (what ``tessera cluster check`` prints)."""
+        lines = []
+        for n in self.nodes:
+            t = self.device_type(n.name)
+            peaks = ", ".join(f"{k} {v:g}" for k, v in t.peak_tflops.items())
+            lines.append(f"node {n.name} ({n.region}): {n.count} x {t.name}, {t.memory_gib:g} GiB, {peaks} TFLOP/s, "
+                         f"memory {t.bandwidth_gbs:g} GB/s")  # fmt: skip
+        named = [(kind, link) for kind, link in self.links.items()]
+        named += [(" - ".join(sorted(pair)), link) for pair, link in self.pair_links.items()]
+        for name, link in named:
+            burst = f", bursts of {link.burst_bytes:,.0f} B" if link.burst_bytes else ""
+            lines.append(f"link {name}: {link.bandwidth_gbs * 8:g} Gbit/s ({link.bandwidth_gbs:g} GB/s), "
+                         f"latency {link.latency_us:g} us{burst}")  # fmt: skip
+        return "\n".join(lines)
 
     def device_type(self, node: str) -> DeviceType:
         """The device type of ``node``'s devices (the file's own figures win over the catalogue)."""
@@ -278,7 +300,12 @@ def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
                 "(describe a mixed machine as two nodes with a fast link between them)."
             )
         _known_keys(devices[0], ("type", "count"), f"{where}.devices[0]")
-        dtype, count = devices[0].get("type"), devices[0].get("count", 1)
+        if "count" not in devices[0]:
+            raise ClusterError(
+                f"{where}.devices[0] has no count: write count: N, the devices of type "
+                f"{devices[0].get('type')!r} this node holds (e.g. count: 8)."
+            )
+        dtype, count = devices[0].get("type"), devices[0]["count"]
         if not isinstance(dtype, str) or (dtype not in types and lookup(dtype) is None):
             hint = nearest(str(dtype), [*CATALOG, *types])
             raise ClusterError(
@@ -298,15 +325,29 @@ def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
     return nodes
 
 
-LINK_KEYS = ("bandwidth_gbs", "latency_us", "burst_bytes")
+LINK_KEYS = ("gbit_s", "bandwidth_gbs", "latency_us", "burst_bytes")
 
 
 def _link(spec: Any, where: str) -> Link:
     if not isinstance(spec, dict):
-        raise ClusterError(f"{where} must be a mapping with bandwidth_gbs and latency_us.")
+        raise ClusterError(f"{where} must be a mapping with gbit_s (Gbit/s) and latency_us.")
     _known_keys(spec, LINK_KEYS, where)
+    if "gbit_s" in spec and "bandwidth_gbs" in spec:
+        raise ClusterError(
+            f"{where} gives both gbit_s and bandwidth_gbs: keep gbit_s (Gbit/s) alone (bandwidth_gbs, in GB/s, is "
+            "its deprecated form)."
+        )
+    if "bandwidth_gbs" in spec:  # the deprecated byte unit: 1 GB/s = 8 Gbit/s
+        warnings.warn(
+            f"{where}.bandwidth_gbs (GB/s) is deprecated: write gbit_s (Gbit/s), eight times the value.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        gbytes = _positive(spec.get("bandwidth_gbs"), f"{where}.bandwidth_gbs")
+    else:
+        gbytes = _positive(spec.get("gbit_s"), f"{where}.gbit_s") / 8
     return Link(
-        _positive(spec.get("bandwidth_gbs"), f"{where}.bandwidth_gbs"),
+        gbytes,
         _positive(spec.get("latency_us", 0.0), f"{where}.latency_us", allow_zero=True),
         burst_bytes=_positive(spec.get("burst_bytes", 0.0), f"{where}.burst_bytes", allow_zero=True),
     )
@@ -314,7 +355,7 @@ def _link(spec: Any, where: str) -> Link:
 
 def _link_dict(link: Link) -> dict[str, float]:
     """A link as the cluster file writes it (burst_bytes only where there is one)."""
-    out = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
+    out = {"gbit_s": link.bandwidth_gbs * 8, "latency_us": link.latency_us}
     if link.burst_bytes:
         out["burst_bytes"] = link.burst_bytes
     return out
@@ -332,7 +373,7 @@ def _links(raw: Any, names: set[str], source: str) -> tuple[dict[str, Link], dic
     pairs: dict[frozenset[str], Link] = {}
     between = raw.get("between") or []
     if not isinstance(between, list):
-        raise ClusterError(f"{where}.between must be a list of {{nodes: [a, b], bandwidth_gbs, latency_us}}.")
+        raise ClusterError(f"{where}.between must be a list of {{nodes: [a, b], gbit_s, latency_us}}.")
     for i, spec in enumerate(between):
         here = f"{where}.between[{i}]"
         ends = spec.get("nodes") if isinstance(spec, dict) else None
