@@ -5,6 +5,13 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+# How a Tessera process ends (every rank and ``tessera train``; :mod:`tessera.launch.failures` says when).
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_COLLECTIVE_TIMEOUT = 3
+EXIT_RUNTIME_FAULT = 4
+EXIT_INTERRUPTED = 130
+
 
 class PlanError(ValueError):
     """A Plan (or an argument that depends on it) is invalid.
@@ -15,6 +22,10 @@ class PlanError(ValueError):
 
 class NotSupportedYet(PlanError):
     """A Plan field asks for a feature that has not landed yet."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted, unsafe, or belongs to another model."""
 
 
 class RuntimeFault(RuntimeError):

@@ -25,10 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupted, unsafe, or belongs to another model."""
-
+from tessera.errors import CheckpointError  # defined with the other input errors; found here too
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {

@@ -26,16 +26,17 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tessera.checkpoint.readers import CheckpointError
 from tessera.config import ConfigError
-from tessera.errors import PlanError, RuntimeFault
+from tessera.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_COLLECTIVE_TIMEOUT,
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME_FAULT,
+    CheckpointError,
+    PlanError,
+    RuntimeFault,
+)
 from tessera.inputs import InputError
-
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_COLLECTIVE_TIMEOUT = 3
-EXIT_RUNTIME_FAULT = 4
-EXIT_INTERRUPTED = 130
 
 REPORT_DIR_ENV = "TESSERA_REPORT_DIR"
 PEER_LOST = "lost the connection to another rank in a collective"

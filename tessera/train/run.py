@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera.launch.failures import EXIT_OK, Reporter
+from tessera.errors import EXIT_OK
+from tessera.launch.failures import Reporter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ import socket
 import sys
 from typing import Any
 
-from tessera.launch.failures import EXIT_OK, Reporter
+from tessera.errors import EXIT_OK
+from tessera.launch.failures import Reporter
 
 QUICK = {"repeats": 3, "window_s": 0.05}  # --quick: a smoke check's timings, not a planning profile
 

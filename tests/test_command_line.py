@@ -1,0 +1,61 @@
+"""The command line (issue 33, item 7): every argument of every subcommand has help, the help names its
+default, ``--version`` names the versions, and ``--help`` imports neither torch nor transformers (its time
+is a line in docs/benchmarks.md, not asserted here)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from tessera.arguments import build_parser
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "tessera"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_argument_has_help_and_its_help_names_its_default() -> None:
+    missing, unsaid = [], []
+    for name, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)):
+                continue
+            label = f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
+            if not action.help:
+                missing.append(label)
+            elif action.default is not None and action.default is not False and action.default not in ("", []):
+                if f"default: {action.default}" not in " ".join(text.split()):
+                    unsaid.append(label)
+    assert not missing, f"arguments without help: {missing}"
+    assert not unsaid, f"defaults the help does not name: {unsaid}"
+    assert "(default: 2)" in " ".join(
+        build_parser()._subparsers._group_actions[0].choices["train"].format_help().split()
+    )
+
+
+def test_version_and_help_answer_without_importing_torch() -> None:
+    heavy = "('torch', 'transformers', 'pydantic')"
+    code = ("import sys\nfrom tessera.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print('heavy:', sorted(m for m in {heavy} if m in sys.modules))")  # fmt: skip
+    for flag in ("--version", "--help"):
+        out = subprocess.run([sys.executable, "-c", code, flag], capture_output=True, text=True, timeout=60).stdout
+        assert out.rstrip().endswith("heavy: []"), out
+    version = subprocess.run([sys.executable, "-m", "tessera.cli", "--version"], capture_output=True, text=True).stdout
+    assert version.startswith("tessera 0.1.0 (torch 2.") and "transformers" in version
+
+
+def test_a_usage_mistake_is_one_error_paragraph(capsys: pytest.CaptureFixture[str]) -> None:
+    from tessera.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["train", "c.yaml", "--nproc", "0"])
+    assert ended.value.code == 2
+    assert "tessera: error: tessera train: argument --nproc: 0 must be at least 1" in capsys.readouterr().err
