@@ -59,3 +59,26 @@ def test_a_usage_mistake_is_one_error_paragraph(capsys: pytest.CaptureFixture[st
         main(["train", "c.yaml", "--nproc", "0"])
     assert ended.value.code == 2
     assert "tessera: error: tessera train: argument --nproc: 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_the_slurm_example_asks_for_what_it_uses_and_its_tessera_command_parses() -> None:
+    """examples/slurm.sbatch: its #SBATCH lines are option=value pairs sbatch knows, one launcher task per
+    node, and the `tessera train` line each node runs parses with the real parser, every node the same job."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "examples" / "slurm.sbatch").read_text()
+    options = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)", text, flags=re.M))
+    assert len(options) == len(re.findall(r"^#SBATCH", text, flags=re.M)), "an #SBATCH line that is not --key=value"
+    known = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "output"}
+    assert options.keys() <= known, options.keys() - known
+    assert options["ntasks-per-node"] == "1"  # tessera train starts the node's ranks itself (torchrun)
+    command = re.search(r"bash -c '(tessera train .*?)'", text, flags=re.S).group(1).replace("\\\n", " ")
+    values = {"$0": "c.yaml", "$1": "node1", "$2": "29500", "$SLURM_NNODES": "2", "$SLURM_GPUS_ON_NODE": "8",
+              "$SLURM_JOB_ID": "77", "$(hostname)": "node2"}  # fmt: skip
+    for name, value in values.items():
+        command = command.replace(f'"{name}"', value).replace(name, value)
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert (args.command, args.config, args.nnodes, args.nproc) == ("train", "c.yaml", 2, 8)
+    assert (args.rdzv_endpoint, args.rdzv_id, args.local_addr, args.max_restarts) == ("node1:29500", "77", "node2", 1)
