@@ -91,6 +91,7 @@ def test_evaluation_under_a_v_schedule_is_refused_by_name(tmp_path: Path) -> Non
     said = run_ranks(_evaluate_under_a_v_schedule, 2, timeout_s=120)
     assert all("schedule 'zbv_zero_bubble' are not supported yet" in s for s in said), said
     config = tiny_config(tmp_path, 4, 4, {"preset": "ddp", "pp": 2, "microbatches": 4, "schedule": "dualpipev"})
+    config["model"]["n_layers"] = 4  # a layer for each of the V schedule's 4 stages (checked before launch too)
     config["data"]["validation"] = 0.1
     config["eval"] = {"every": 2}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))

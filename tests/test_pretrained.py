@@ -152,7 +152,7 @@ def test_tessera_train_loads_a_pretrained_directory_and_exports_it_back(tmp_path
     torch.manual_seed(0)
     original = hf.llama(n_layer=2, hidden=32, n_head=4, n_kv_head=2, ffn=64, vocab_size=260, seq_len=32)
     source = _save(original, tmp_path / "source")
-    (source / "tokenizer_config.json").write_text("{}")  # copied beside the exported weights
+    (source / "tokenizer_config.json").write_text("{}")  # not the tokenizer trained with (bytes): not exported
     config = tiny_config(tmp_path / "runs", 2, 2, {"preset": "zero", "zero": 3})
     config["model"] = {"pretrained": str(source)}
     config["data"]["tokenizer"] = "bytes"  # the source has no tokenizer.json
@@ -168,7 +168,7 @@ def test_tessera_train_loads_a_pretrained_directory_and_exports_it_back(tmp_path
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     x = torch.randint(0, 260, (2, 16))
     assert torch.equal(exported(x).logits, original(x).logits)
-    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "out" / "tokenizer_config.json").exists()  # the export carries the run's tokenizer only
 
 
 def test_a_pretrained_config_that_cannot_work_is_refused_before_anything_runs(saved: Path, tmp_path: Path) -> None:
