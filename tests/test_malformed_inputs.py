@@ -390,3 +390,43 @@ def test_a_read_only_output_directory_is_refused_before_launch(tmp_path: Path, c
         _assert_one_paragraph(code, err, "is not writable")
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+# ------------------------------------------------------- --emulate cluster files, checkpoint trainer state
+EMULATED = [  # (case id, cluster mapping, needle): tessera train --nproc 2 --emulate it (issue 33, item 8)
+    ("fewer-devices-than-ranks", {"nodes": [{"name": "a", "devices": [{"type": "H100", "count": 1}]}]},
+     "describes 1 devices, but the launch's ranks play device 1 too"),
+    ("no-fp32-peak", {"nodes": [{"name": "a", "devices": [{"type": "X", "count": 2}]}],
+                      "device_types": {"X": {"peak_tflops": {"bf16": 100}, "memory_gib": 8, "bandwidth_gbs": 500}}},
+     "device type 'X' gives no peak for fp32, which emulation paces it by: add device_types.X.peak_tflops.fp32"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,cluster,needle", EMULATED, ids=[c[0] for c in EMULATED])
+def test_emulated_cluster_files_the_ranks_cannot_play(case, cluster, needle, tmp_path: Path, capsys) -> None:
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster))
+    code, err, out_dir = _run_train(tmp_path, GOOD, ["--emulate", str(tmp_path / "cluster.yaml")], capsys)
+    _assert_one_paragraph(code, err, needle)
+    assert not out_dir.exists()
+
+
+TRAINER_STATES = [  # (case id, what trainer.pt holds, needle): tessera train --resume on it
+    ("empty", {}, "step=None, epoch=None, batch_in_epoch=None, scheduler=None"),
+    ("a-list", [1, 2], "([1, 2]; it needs step, epoch, batch_in_epoch, scheduler)"),
+    ("negative-step", {"step": -4, "epoch": 0, "batch_in_epoch": 0, "scheduler": {}}, "step=-4"),
+    ("step-a-word", {"step": "8", "epoch": 0, "batch_in_epoch": 0, "scheduler": {}}, "step='8'"),
+]
+
+
+@pytest.mark.parametrize("case,state,needle", TRAINER_STATES, ids=[c[0] for c in TRAINER_STATES])
+def test_a_checkpoint_whose_trainer_state_is_not_one_is_refused_before_launch(
+    case, state, needle, tmp_path: Path, capsys
+) -> None:
+    import torch
+    from test_run_directories import fake_checkpoint
+
+    step = fake_checkpoint(tmp_path / "runs" / GOOD["logging"]["run_name"], 8, "old")
+    torch.save(state, step / "trainer.pt")
+    code, err, _ = _run_train(tmp_path, GOOD, ["--resume"], capsys)
+    _assert_one_paragraph(code, err, needle)
+    assert f"'{step / 'trainer.pt'}' is corrupted" in err and "--overwrite" in err

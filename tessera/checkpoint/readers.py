@@ -142,6 +142,33 @@ def read_data(path: Path) -> object:
         raise CheckpointError(f"'{path}' is corrupted or incomplete ({first}): nothing loaded.") from None
 
 
+# What ``tessera train`` keeps in a checkpoint's trainer.pt, and of what kind (``scaler`` may be None).
+TRAINER_STATE = {"step": int, "epoch": int, "batch_in_epoch": int, "scheduler": dict}
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer's state in checkpoint ``path`` (``trainer.pt``: step, data position, scheduler, loss
+    scaler), refused with the file named when it is not that (empty, or a field of another kind)."""
+    file = Path(path) / "trainer.pt"
+    state = read_data(file)
+    wrong = [
+        name for name, kind in TRAINER_STATE.items() if not isinstance(state, dict) or not _is(state.get(name), kind)
+    ]
+    if wrong:
+        found = ", ".join(f"{n}={state.get(n)!r}"[:60] for n in wrong) if isinstance(state, dict) else repr(state)[:60]
+        raise CheckpointError(
+            f"'{file}' is corrupted: it is not the trainer's state ({found}; it needs {', '.join(TRAINER_STATE)}): "
+            "resume from an earlier checkpoint (move this one away), or start fresh with --overwrite."
+        )
+    return state  # type: ignore[return-value]
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, kind)
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     """A complete checkpoint's ``meta.json``: a mapping whose world size is a count and whose groups
     (``Plan.groups`` with an outer sync) are a count or absent; refused with the file named otherwise."""

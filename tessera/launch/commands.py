@@ -20,7 +20,7 @@ from tessera.launch import group_jobs
 from tessera.launch.jobs import Launch, launch
 from tessera.launch.preflight import Checked, check_training
 from tessera.testbed import Testbed
-from tessera.testbed.emulate import EMULATE_ENV
+from tessera.testbed.emulate import EMULATE_ENV, check_playable
 
 RANK_MODULE = "tessera.train.run"  # what each training rank runs
 PROFILE_MODULE = "tessera.planner.live.job"  # what each profiling rank runs
@@ -36,6 +36,14 @@ def train(args: argparse.Namespace) -> int:
             "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
         )
     checked = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group)
+    if args.emulate:  # every rank plays a device of the file: each one it plays must be there, and paced
+        plan, world = checked.plan, args.nproc * args.nnodes
+        try:
+            check_playable(Cluster.load(args.emulate), map(plan.device_of, range(world)), plan.precision,
+                           f"--emulate '{args.emulate}'")  # fmt: skip
+        except BaseException:
+            checked.close()
+            raise
     rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank: become the rank
         checked.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.checkpoint import latest_checkpoint
+from tessera.checkpoint.readers import read_trainer_state
 from tessera.config import Config, ConfigError, load_config, plan_from_config
 from tessera.data.held_out import check_held_out
 from tessera.data.instructions import HANDED_ENV, InstructionData, records_key
@@ -171,6 +172,7 @@ def _check_run_directory(cfg: Config, overwrite: bool) -> None:
     elif cfg.checkpoint.resume == "auto" and not overwrite:
         if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
             check_base_of(latest, cfg.model.pretrained)  # LoRA adapters alone: the base they were trained on
+            read_trainer_state(latest)  # what the resume reads first, checked before launch
 
 
 def _check_shapes(cfg: Config, plan: Plan) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.cluster.spec import USABLE_MEMORY, Cluster
+from tessera.cluster.spec import USABLE_MEMORY, Cluster, ClusterError
 from tessera.errors import NotSupportedYet
 from tessera.memory import SavedBytes, model_state_bytes
 from tessera.plan import Plan
@@ -67,6 +67,31 @@ class EmulatedOutOfMemory(RuntimeError):
     """An emulated device would have run out of memory."""
 
 
+def _pace_peak(device: Any, dtype: str) -> float:
+    """The peak an emulated device is paced by: its peak for ``dtype``, else for fp32 (0: neither)."""
+    return device.peak(dtype) or device.peak("fp32") or 0.0
+
+
+def check_playable(cluster: Cluster, devices: Iterable[int], dtype: str, source: str = "the cluster file") -> None:
+    """Refuse (ClusterError, a bad input) a cluster whose ``devices`` the ranks cannot play: one beyond the
+    devices it describes, or a device type with no peak for ``dtype`` or fp32 to pace it by."""
+    described = cluster.devices()
+    beyond = sorted(d for d in set(devices) if d >= len(described))
+    if beyond:
+        raise ClusterError(
+            f"{source} describes {len(described)} devices, but the launch's ranks play device {beyond[-1]} too: "
+            f"each rank plays one device; launch {len(described)} ranks (--nproc x --nnodes) or describe "
+            f"{beyond[-1] + 1} devices."
+        )
+    for _, _, device in described:
+        if not _pace_peak(device, dtype):
+            needed = " or ".join(dict.fromkeys([dtype, "fp32"]))
+            raise ClusterError(
+                f"{source}: device type {device.name!r} gives no peak for {needed}, which emulation paces it by: add "
+                f"device_types.{device.name}.peak_tflops.{dtype}."
+            )
+
+
 class Emulator:
     """This rank as one device of ``cluster``: slower by sleeping, and held to its memory."""
 
@@ -82,16 +107,12 @@ class Emulator:
         forward on the fastest device: blocks then take that line scaled by speed, whatever this
         CPU does (it must be faster); without it they take ``slowdown`` × their CPU time."""
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
+        check_playable(self.cluster, [rank], dtype)
         devices = self.cluster.devices()
-        if rank >= len(devices):
-            raise EmulatedOutOfMemory(
-                f"rank {rank} has no device to play: the cluster file describes {len(devices)} devices; "
-                f"launch {len(devices)} ranks."
-            )
         self.node, self.index, self.device = devices[rank]
         self._device = rank
-        peaks = [t.peak(dtype) or t.peak("fp32") or 0.0 for _, _, t in devices]
-        own = self.device.peak(dtype) or self.device.peak("fp32") or 0.0
+        peaks = [_pace_peak(t, dtype) for _, _, t in devices]
+        own = _pace_peak(self.device, dtype)
         # time_scale > 1 stretches every device, the fastest too: with most of each block asleep, ranks
         # sharing a core barely slow each other, so timings follow the emulated speeds.
         self.slowdown = max(peaks) / own * time_scale

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import tessera
 from tessera import faults, traffic
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tessera.checkpoint.readers import read_trainer_state
 from tessera.config import Config, plan_from_config
 from tessera.launch import rundir
 from tessera.memory import release_free_heap
@@ -89,6 +90,7 @@ class Trainer:
         if path is None:
             return None
         check_base_of(path, self.cfg.model.pretrained)
+        read_trainer_state(path)  # refused before any weight is loaded: a corrupted trainer.pt is named
         state = load_checkpoint(path, self.model, self.optimizer)
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.schedule.load_state_dict(state["scheduler"])
