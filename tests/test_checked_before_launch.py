@@ -60,3 +60,21 @@ def test_tessera_train_refuses_a_tp_the_heads_cannot_take_before_any_rank_starts
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Plan.tp=3 does not divide tessera Llama n_heads=4" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_ep_of_a_family_whose_experts_tessera_does_not_split_names_the_ones_it_does(tmp_path: Path) -> None:
+    """OLMoE has experts (num_experts in its config) but no expert-parallel support: refused before launch
+    naming the families that have it, not 'the model has no MoE layer' from a rank (issue 33, item 8)."""
+    from transformers import OlmoeConfig
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 260,
+             "max_position_embeddings": 64, "eos_token_id": 0, "pad_token_id": 0, "bos_token_id": 0}  # fmt: skip
+    OlmoeConfig(**sizes).save_pretrained(tmp_path / "olmoe")
+    config = tiny_config(tmp_path / "runs", 2, 2, {"preset": "ddp", "ep": 2})
+    config["model"] = {"kind": "hf_config", "hf_config": str(tmp_path / "olmoe" / "config.json")}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"Plan.ep=2 splits experts, but OlmoeForCausalLM has no experts Tessera can "
+                       r"split: expert parallelism takes the reference Llama's model.moe and Hugging Face "
+                       r"MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts"):  # fmt: skip
+        check_training(str(tmp_path / "c.yaml"), [], 2, 1, False)

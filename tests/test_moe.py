@@ -120,7 +120,7 @@ def test_a_spec_or_layout_experts_cannot_take_is_refused_by_name() -> None:
     model = Llama(LlamaConfig(moe=MoESpec(experts=4)))
     with pytest.raises(PlanError, match="Plan.ep=3 does not divide the MoE layers' 4 experts"):
         check_expert_parallel(3, [model.layers[0].feed_forward.experts])
-    with pytest.raises(PlanError, match="Plan.ep=2 splits experts, but the model has no MoE layer"):
+    with pytest.raises(PlanError, match="Plan.ep=2 splits experts, but the model has no experts Tessera can split"):
         check_expert_parallel(2, [])
     with pytest.raises(PlanError, match=r"Plan.expert_shares=\[3, 2\] sum to 5, but the MoE layers have 4 experts"):
         check_expert_parallel(2, [model.layers[0].feed_forward.experts], (3, 2))

@@ -147,7 +147,7 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     _check_experts(cfg, plan)
     for job in checked.jobs:  # each fault-tolerant group's own layout
-        if max(job.plan.tp, job.plan.sp, job.plan.pp) > 1:
+        if max(job.plan.tp, job.plan.sp, job.plan.ep, job.plan.pp) > 1:
             _check_shapes(cfg, job.plan)
     if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
         raise ConfigError(
@@ -176,7 +176,7 @@ def _check_run_directory(cfg: Config, overwrite: bool) -> None:
 
 
 def _check_shapes(cfg: Config, plan: Plan) -> None:
-    """The plan's tp, sp and pp against the model's shapes, on the model built on meta (no memory)."""
+    """The plan's tp, sp, ep and pp against the model's shapes, on the model built on meta (no memory)."""
     import torch
 
     from tessera.models.build import build_model

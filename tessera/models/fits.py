@@ -1,4 +1,4 @@
-"""Whether a Plan's tensor, sequence and pipeline degrees fit a model's shapes, checked before launch.
+"""Whether a Plan's tensor, sequence, expert and pipeline degrees fit a model's shapes, checked before launch.
 
 The launcher builds the model on the meta device (shapes, no memory) and asks its family's policy the
 questions the runtime asks when it lays the model out (:mod:`tessera.runtime.parallelize`,
@@ -19,14 +19,16 @@ from __future__ import annotations
 from torch import nn
 
 from tessera.errors import PlanError
+from tessera.models.hf_experts import HF_EXPERTS, expert_modules
 from tessera.models.policies import policy_for
 from tessera.plan import Plan
 
 HEADS = ("num_attention_heads", "n_heads", "n_head")  # what the families' policies call the attention heads
+SPLIT_EXPERTS = "the reference Llama's model.moe and Hugging Face " + ", ".join(HF_EXPERTS)
 
 
 def check_plan_fits(model: nn.Module, plan: Plan, seq_len: int) -> None:
-    """Refuse (PlanError) a plan whose tp, sp or pp the model's shapes cannot take."""
+    """Refuse (PlanError) a plan whose tp, sp, ep or pp the model's shapes cannot take."""
     split_gather = plan.sp > 1 and plan.sp_mode == "split_gather"
     if plan.tp > 1:
         policy = policy_for(model, "tensor parallelism")
@@ -48,6 +50,11 @@ def check_plan_fits(model: nn.Module, plan: Plan, seq_len: int) -> None:
                 "choose an sp that divides the number of heads."
             )
         _check_sequence(seq_len, plan.sp, "Plan.sp")
+    if plan.ep > 1 and not expert_modules(model):
+        raise PlanError(
+            f"Plan.ep={plan.ep} splits experts, but {type(model).__name__} has no experts Tessera can split: expert "
+            f"parallelism takes {SPLIT_EXPERTS}. Use Plan.ep=1 (each rank then runs every expert)."
+        )
     if plan.pp > 1 and plan.replicas is None:
         layout = policy_for(model, "pipeline parallelism").pipeline_layout(model)
         plan.pipeline.stage_ranges(len(model.get_submodule(layout.layers)), plan.pp)

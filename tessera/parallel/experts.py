@@ -34,7 +34,11 @@ def check_expert_parallel(ep: int, experts: Sequence[nn.Module], shares: Sequenc
     if ep == 1:
         return
     if not experts:
-        raise PlanError(f"Plan.ep={ep} splits experts, but the model has no MoE layer: use ep=1.")
+        raise PlanError(
+            f"Plan.ep={ep} splits experts, but the model has no experts Tessera can split (expert parallelism takes "
+            "the reference Llama's model.moe and Hugging Face MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts): "
+            "use ep=1."
+        )
     for module in experts:
         if shares is not None and sum(shares) != module.num_experts:
             raise PlanError(
