@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_sub = plan.add_subparsers(dest="plan_command")
     check = plan_sub.add_parser("check", help="validate a Plan file")
     check.add_argument("file", help="a Plan file (tessera plan writes one)")
-    check.add_argument("--world-size", type=_count(1), required=True, help="the ranks the plan is to run on")
+    check.add_argument("--world-size", type=_count(1), help="the ranks the plan is to run on (default: the file's)")
     cluster = sub.add_parser("cluster", help="describe clusters: detect this machine, check a cluster file")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     detect = cluster_sub.add_parser("detect", help="write a cluster file for this machine")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import yaml
+
 from tessera.cli import main
 from tessera.plan import Plan
 
@@ -33,6 +36,19 @@ def test_plan_prints_table_writes_plan_and_picture(tmp_path: Path, capsys) -> No
     plan = Plan.load(tmp_path / "plan.yaml")
     assert plan.resolve(4).dp * plan.tp * plan.pp == 4
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    # The file says how many ranks to launch (issue 33, item 8): first, read by `plan check` and the launcher.
+    assert (tmp_path / "plan.yaml").read_text().startswith("world_size: 4\n")
+    assert (
+        main(["plan", "check", str(tmp_path / "plan.yaml")]) == 0 and "# valid for 4 ranks" in capsys.readouterr().out
+    )
+    from tessera.config import ConfigError
+    from tessera.launch.preflight import check_training
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "demo.yaml").read_text())
+    config["plan"] = {"file": str(tmp_path / "plan.yaml")}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"was made for 4 ranks \(its world_size\), but this launch starts 2"):
+        check_training(str(tmp_path / "c.yaml"), [], 2, 1, False)
 
 
 def test_plan_refuses_a_global_batch_smaller_than_the_data_parallel_ranks(tmp_path: Path, capsys) -> None:

@@ -111,6 +111,13 @@ def check_training(
     ``group``: the launch is that group of fault-tolerant Plan.groups alone."""
     cfg = load_config(config, overrides)
     world = nproc * nnodes
+    if cfg.plan.file is not None and group is None:  # a planned file says how many ranks it was made for
+        recorded = Plan.load_file(cfg.plan.file)[1]
+        if recorded is not None and recorded != world:
+            raise ConfigError(
+                f"plan.file '{cfg.plan.file}' was made for {recorded} ranks (its world_size), but this launch starts "
+                f"{world} ({nproc} per machine x {nnodes}): launch {recorded} ranks, or plan again for {world}."
+            )
     try:
         jobs = grid.launch_jobs(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
     except PlanError as exc:

@@ -378,21 +378,44 @@ class Plan:
     def from_yaml(cls, text: str) -> Plan:
         return cls.from_dict(_parse(lambda t: load_yaml(t, "Plan YAML"), InputError, "YAML", text))
 
-    def save(self, path: str | Path) -> None:
-        """Write the Plan as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
+    def save(self, path: str | Path, world_size: int | None = None) -> None:
+        """Write the Plan as YAML (``.yaml``/``.yml``) or JSON (anything else); ``world_size``: the ranks it
+        was made for, written first in the file (what to launch; a launch of another size is refused)."""
         path = Path(path)
-        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
-        path.write_text(text)
+        data = ({WORLD_KEY: world_size} if world_size is not None else {}) | self.to_dict()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+        else:
+            path.write_text(json.dumps(data, indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a Plan file (YAML, or JSON for other suffixes); every mistake names the file."""
+        return cls.load_file(path)[0]
+
+    @classmethod
+    def load_file(cls, path: str | Path) -> tuple[Plan, int | None]:
+        """A Plan file's Plan and the world size it records (None: it records none)."""
         try:
             text = read_text(path, "Plan file")
-            return cls.from_yaml(text) if Path(path).suffix in (".yaml", ".yml") else cls.from_json(text)
+            if Path(path).suffix in (".yaml", ".yml"):
+                data = _parse(lambda t: load_yaml(t, "Plan YAML"), InputError, "YAML", text)
+            else:
+                data = _parse(json.loads, json.JSONDecodeError, "JSON", text)
+            world = data.pop(WORLD_KEY, None) if isinstance(data, dict) else None
+            if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+                raise PlanError(
+                    f"{WORLD_KEY}={world!r} is not a number of ranks: give a whole number, or leave it out."
+                )
+            return cls.from_dict(data), world
         except (InputError, PlanError) as exc:
             message = str(exc)
             raise PlanError(message if str(path) in message else f"Plan file '{path}': {message}") from None
+
+
+WORLD_KEY = "world_size"  # in a Plan file beside the fields: the ranks it was made for
 
 
 def _parse(load: Any, error: type[Exception], fmt: str, text: str) -> Any:

@@ -23,10 +23,15 @@ from tessera.planner.precision import choose_precision
 
 
 def check_plan_file(args: argparse.Namespace) -> int:
-    """``tessera plan check``: a Plan file resolved for ``--world-size`` ranks, printed back."""
-    plan = Plan.load(args.file).resolve(args.world_size)
+    """``tessera plan check``: a Plan file resolved for ``--world-size`` ranks (the file's own by default),
+    printed back."""
+    plan, recorded = Plan.load_file(args.file)
+    world = args.world_size or recorded
+    if world is None:
+        raise ValueError(f"Plan file '{args.file}' records no world_size: give --world-size N.")
+    plan = plan.resolve(world)
     print(plan.to_yaml(), end="")
-    print(f"# valid for {args.world_size} ranks")
+    print(f"# valid for {world} ranks")
     return 0
 
 
@@ -94,7 +99,7 @@ def plan(args: argparse.Namespace) -> int:
     for line in ([precision_note] if precision_note else []) + list(best.notes):
         print(f"note: {line}")
     print_launch(best.plan, cluster, args.out)
-    best.plan.save(args.out)
+    best.plan.save(args.out, world_size=cluster.world_size)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
     return 0
