@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``tessera`` subcommand."""
     ap = _Parser(prog="tessera", description="Scale PyTorch training with one Plan.")
     ap.add_argument("--version", action="version", version=_version())
+    ap.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="what the console shows (default: info, or TESSERA_LOG_LEVEL); debug also lets the libraries "
+        "beneath (torchft, transformers) speak",
+    )
+    ap.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (--log-level warning)")
     sub = ap.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a YAML config (launches torchrun)")
     train.add_argument("config", help="the training config (YAML): model, data, optimizer, plan, train ...")

@@ -102,6 +102,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from tessera import log
+
+    log.setup("warning" if args.quiet else args.log_level)
     try:
         if args.command == "data":
             return _data_prepare(args)

@@ -38,6 +38,10 @@ def test_demo_config_trains_and_writes_its_outputs(tmp_path: Path) -> None:
     first, last = map(float, m.groups())
     assert last < first - 1.0, f"the demo did not learn: {first} -> {last}"
     assert "sample:\ndef " in proc.stdout
+    # The opening banner (issue 33, item 5): model, size, plan, ranks, where the run writes; then plain log lines
+    assert proc.stdout.startswith("tessera: llama (0.85M parameters); plan dp=2, ZeRO-2, fp32; 2 ranks; 30 steps")
+    assert f"tessera: writing {tmp_path / 'demo'}/ (metrics.jsonl, loss.png, checkpoints/" in proc.stdout
+    assert "step 30/30  loss " in proc.stdout and not proc.stderr.strip(), proc.stderr  # no library noise
     run = tmp_path / "demo"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 30 and {"loss", "tokens_per_s", "step_time_s", "model_state_bytes_rank0"} <= set(

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tessera import traffic
+from tessera import log, traffic
 from tessera.across.heal import heal_state, load_heal_state, load_slot_heal_state, slot_heal_state
 from tessera.across.lighthouse import GROUP_ENV, LIGHTHOUSE_ENV, check_reachable
 from tessera.across.meet import Across
@@ -243,12 +242,10 @@ class TorchftAcross(Across):
         if not committed and self.rank == 0:  # dropped by every group; said (once a group), so it is seen
             error = self.manager.errored()
             cause = getattr(error, "original_exception", error)
-            print(
-                f"tessera: warning: outer sync dropped by the groups ({type(cause).__name__}: {cause})"
+            log.get("across").warning(
+                f"outer sync dropped by the groups ({type(cause).__name__}: {cause})"
                 if cause is not None
-                else "tessera: warning: outer sync dropped by the groups (another group failed during it)",
-                file=sys.stderr,
-                flush=True,
+                else "outer sync dropped by the groups (another group failed during it)"
             )
         return committed
 

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from tessera import log
 from tessera.cluster.spec import Cluster
 from tessera.config import load_config, plan_from_config
 from tessera.inputs import check_output_file
@@ -45,6 +46,8 @@ def train(args: argparse.Namespace) -> int:
             checked.close()
             raise
     rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
+    if "LOCAL_RANK" not in os.environ and args.group is None:
+        log.get("launch").info(checked.banner(args.nproc, args.nnodes))
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank: become the rank
         checked.close()
         os.execv(sys.executable, [sys.executable, "-m", RANK_MODULE, *rank_args])

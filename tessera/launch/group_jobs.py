@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from tessera import log
 from tessera.across.lighthouse import (
     GROUP_ENV,
     LIGHTHOUSE_ENV,
@@ -68,10 +69,9 @@ def launch_groups_here(args: argparse.Namespace, groups: Groups) -> int:
     server = start_lighthouse(args.lighthouse_bind)
     address = lighthouse_address(server, args.lighthouse_bind)
     sizes = f"of {worlds[0]} rank(s)" if len(set(worlds)) == 1 else f"of {', '.join(map(str, worlds))} ranks"
-    print(
+    log.get("launch").info(
         f"tessera: Lighthouse at {address}; {groups.count} groups {sizes}, each its own job "
-        "(a group that fails leaves the others training)",
-        flush=True,
+        "(a group that fails leaves the others training)"
     )
     children: list[subprocess.Popen] = []
     with termination_unwinds():  # around the clean-up too: a second SIGTERM must not cut it short

@@ -48,6 +48,31 @@ class Checked:
     jobs: list[Job]
     env: dict[str, str] = field(default_factory=dict)
     folder: Path | None = None
+    n_params: int = 0  # the base model's parameters, counted from its sizes
+
+    def banner(self, nproc: int, nnodes: int) -> str:
+        """What the launch is about to run, said once before it starts: the model and its size, the plan,
+        the ranks, and where the run writes."""
+        cfg, plan, groups = self.cfg, self.plan, self.jobs[-1].groups
+        model = cfg.model.pretrained or cfg.model.hf_config or cfg.model.kind
+        lora = f", LoRA r={cfg.model.lora.r}" if cfg.model.lora is not None else ""
+        layouts = [_layout(job.plan) for job in self.jobs]
+        shown = layouts[0] if len(set(layouts)) == 1 else "; ".join(f"group {g}: {t}" for g, t in enumerate(layouts))
+        if groups is not None:
+            kind = ", fault-tolerant, each its own job" if groups.fault_tolerant else ""
+            shown += f" ({groups.count} groups, {groups.sync} sync{kind})"
+        machines = f"{nproc} ranks" + (f" on each of {nnodes} machines" if nnodes > 1 else "")
+        board = ""
+        if cfg.logging.tensorboard:
+            from importlib.util import find_spec
+
+            installed = find_spec("tensorboard") is not None
+            board = ", TensorBoard events" if installed else "; TensorBoard off: pip install 'tessera[tensorboard]'"
+        return "\n".join([
+            f"tessera: {model} ({self.n_params / 1e6:,.2f}M parameters{lora}); plan {shown}, {plan.precision}; "
+            f"{machines}; {cfg.train.steps} steps of {cfg.train.global_batch_size} sequences",
+            f"tessera: writing {cfg.run_dir}/ (metrics.jsonl, loss.png, checkpoints/{board})",
+        ])  # fmt: skip
 
     @property
     def plan(self) -> Plan:
@@ -64,6 +89,13 @@ class Checked:
         """Remove what was handed on (after the launch)."""
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _layout(plan: Plan) -> str:
+    """A plan's degrees and ZeRO stage in a few words (``dp=2, ZeRO-2``)."""
+    degrees = [f"{k}={v}" for k, v in (("dp", plan.dp), ("tp", plan.tp), ("pp", plan.pp), ("sp", plan.sp),
+                                       ("ep", plan.ep)) if v and v > 1]  # fmt: skip
+    return ", ".join(degrees + ([f"ZeRO-{plan.zero}"] if plan.zero else [])) or "one rank"
 
 
 def available_memory_bytes() -> int | None:
@@ -161,7 +193,8 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
             f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
             "different features of the same input; set model.lora.dropout: 0 or plan.tp: 1."
         )
-    check_memory(cfg, plan, nproc, parameter_count(cfg, tokenizer.vocab_size))
+    checked.n_params = parameter_count(cfg, tokenizer.vocab_size)
+    check_memory(cfg, plan, nproc, checked.n_params)
     if cfg.eval.every and plan.pipelined and plan.pipeline.schedule in V_SCHEDULES:
         raise ConfigError(
             f"eval.every runs forward-only passes, which schedule {plan.pipeline.schedule!r} cannot (torch 2.13's V "

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tessera import log
+
 
 def transformer_flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> float:
     """Training FLOPs per token: 6·N for the weights plus 12·L·d·s for attention (PaLM appendix B)."""
@@ -43,29 +45,36 @@ def job_peak_tflops(peak: float | dict[str, float] | None, device: Any) -> float
 
 
 class Progress:
-    """One line per report: step, loss, tokens/s, ETA; redrawn in place on a terminal."""
+    """Step, loss, tokens/s and the time left: a tqdm bar redrawn in place on a terminal, a plain log line per
+    report otherwise (a file, a pipe, a batch system's log)."""
 
     def __init__(self, total_steps: int, enabled: bool = True) -> None:
         self.total = total_steps
         self.enabled = enabled
         self.tty = sys.stdout.isatty()
+        self.bar: Any = None
 
     def update(self, step: int, loss: float, tokens_per_s: float, elapsed: float, done_steps: int) -> None:
         if not self.enabled:
             return
+        if self.tty:
+            from tqdm import tqdm
+
+            if self.bar is None:
+                self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout)
+            self.bar.set_postfix_str(f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s", refresh=False)
+            self.bar.update(step - self.bar.n)
+            return
         remaining = (self.total - step) * elapsed / max(done_steps, 1)
-        width = 24
-        filled = int(width * step / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        line = (
-            f"[{bar}] step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+        log.get("train").info(
+            f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
             f"ETA {int(remaining // 60)}:{int(remaining % 60):02d}"
         )
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print(flush=True)
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class MetricsLog:

@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 import tessera
-from tessera import traffic
+from tessera import log, traffic
 from tessera.config import Config
 from tessera.train.metrics import MetricsLog, Progress, plot_experts, plot_loss
 
@@ -29,6 +29,9 @@ class StepNumbers:
     steps_done: int  # since the run (re)started
     peak_bytes: int | None = None  # at train.measure_memory_at
     held_out: float | None = None  # the held-out loss, when evaluated
+
+
+LOG = log.get("train")
 
 
 class RunReport:
@@ -108,9 +111,9 @@ class RunReport:
             self.crowded_reports += 1
             if self.crowded_reports == moe.warn_steps:
                 layer, top, total = worst
-                print(f"warning: in MoE layer {layer} one expert took {top / total:.0%} of the routed slots "
-                      f"(> model.moe.warn_share={moe.warn_share}) at {moe.warn_steps} reported steps in a row: "
-                      "raise model.moe.aux_loss_weight or set model.moe.bias_rate", flush=True)  # fmt: skip
+                LOG.warning(f"in MoE layer {layer} one expert took {top / total:.0%} of the routed slots "
+                            f"(> model.moe.warn_share={moe.warn_share}) at {moe.warn_steps} reported steps in a row: "
+                            "raise model.moe.aux_loss_weight or set model.moe.bias_rate")  # fmt: skip
         else:
             self.crowded_reports = 0
         losses = [float(layer.balance_loss) for layer in self.experts]
@@ -125,14 +128,13 @@ class RunReport:
             if self.experts:
                 plot_experts(self.log.path, cfg.run_dir / "experts.png", title)
             if losses:
-                print(
+                LOG.info(
                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps {self.start_step + 1}-{step}; "
-                    f"metrics: {self.log.path}; plot: {cfg.run_dir / 'loss.png'}",
-                    flush=True,
+                    f"metrics: {self.log.path}; plot: {cfg.run_dir / 'loss.png'}"
                 )
             self._print_traffic()
             if sample:
-                print("sample:\n" + sample, flush=True)
+                LOG.info("sample:\n%s", sample)
         return {
             link: {"bytes": t.bytes, "collectives": t.collectives, "gbit_s": t.gbit_s}
             for link, t in self.traffic.items()
@@ -148,4 +150,4 @@ class RunReport:
             if t.collectives
         ]
         if parts:
-            print("sent by all ranks: " + "; ".join(parts), flush=True)
+            LOG.info("sent by all ranks: %s", "; ".join(parts))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tessera import log
 from tessera.errors import EXIT_OK
 from tessera.launch.failures import Reporter
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--overwrite", action="store_true", help="a fresh run may replace another run's files")
     args = ap.parse_args(argv)
+    log.setup(prefix=log.group_prefix())  # the launcher's level (TESSERA_LOG_LEVEL); [group G] under several groups
     reporter = Reporter()
     reporter.started()
     trainer = None

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import tessera
-from tessera import faults, traffic
+from tessera import faults, log, traffic
 from tessera.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tessera.checkpoint.readers import read_trainer_state
 from tessera.config import Config, plan_from_config
@@ -34,6 +34,7 @@ from tessera.train.optimizer import build_optimizer
 from tessera.train.report import RunReport, StepNumbers
 from tessera.train.step import generate, lr_factor, next_token_loss, response_token_loss, train_step
 
+LOG = log.get("train")
 HEAP_TRIM_EVERY = 100  # steps between giving the C heap's free pages back (benchmarks/soak.py)
 
 
@@ -44,15 +45,16 @@ class Trainer:
         """``overwrite``: a fresh run, whatever ``checkpoint.resume`` says, that deletes another run's files in
         its run directory instead of refusing to start or resuming it (see :mod:`tessera.launch.rundir`)."""
         self.cfg = cfg
+        log.ensure()
         tessera.init(timeout_s=cfg.train.timeout_s)
         torch.manual_seed(cfg.train.seed)
         self.emulation = hooks_from_environment()  # tessera train --emulate CLUSTER
         self.booster = tessera.Booster(plan_from_config(cfg.plan), hooks=self.emulation)
         self.rank0 = dist.get_rank() == 0
         if self.emulation is not None:  # every rank says which device it plays: the run is emulated
-            print(f"EMULATED: rank {dist.get_rank()} is {self.emulation.describe()}", flush=True)
+            LOG.info("EMULATED: rank %d is %s", dist.get_rank(), self.emulation.describe())
         if (seat := current_seat()) is not None:  # tessera train --testbed: checked with the kernel, then said
-            print(f"TESTBED: {verify_seat(seat)}", flush=True)
+            LOG.info("TESTBED: %s", verify_seat(seat))
         self.tokenizer = tokenizer_for(cfg)
         self.fine_tuning = bool(cfg.data.instructions)  # the loss on response tokens only
         train_set, held_out = training_data(cfg, self.tokenizer)
@@ -61,8 +63,7 @@ class Trainer:
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
         if self.rank0:
             n_trainable = sum(p.numel() for p in trainable)
-            print(f"parameters: {self.n_params:,}, trainable {n_trainable:,} ({n_trainable / self.n_params:.2%})",
-                  flush=True)  # fmt: skip
+            LOG.info(f"parameters: {self.n_params:,}, trainable {n_trainable:,} ({n_trainable / self.n_params:.2%})")
         self.model, self.optimizer = self.booster.boost(model, build_optimizer(cfg, trainable))
         self.experts = moe_layers(model)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
@@ -97,7 +98,7 @@ class Trainer:
         if self.booster.scaler is not None and state.get("scaler"):
             self.booster.scaler.load_state_dict(state["scaler"])
         if self.rank0:
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            LOG.info("resumed from %s at step %d", path, self.step)
         return path
 
     def _restore_group_from_its_run(self) -> Path | None:
@@ -108,7 +109,7 @@ class Trainer:
             return None
         path = latest_checkpoint(self.cfg.run_dir.parent / "checkpoints")
         if path is not None and self.rank0:
-            print(f"group {self.booster.group_index} has no checkpoint of its own: starts from {path}", flush=True)
+            LOG.info("group %s has no checkpoint of its own: starts from %s", self.booster.group_index, path)
         return self._restore(path) if path is not None else None
 
     def _flops_per_token(self) -> float:
@@ -228,8 +229,8 @@ class Trainer:
         if not self.booster.membership.fault_tolerant or step is None or step == self.step:
             return False
         if self.rank0:
-            print(f"group {self.booster.group_index} rejoined: took step {step} from a live group "
-                  f"(was at {self.step})", flush=True)  # fmt: skip
+            LOG.info("group %s rejoined: took step %d from a live group (was at %d)", self.booster.group_index, step,
+                     self.step)  # fmt: skip
         self.step = step
         self.epoch, self.batch_in_epoch = divmod(self.step, len(self.loader))
         self.schedule.last_epoch = self.step - 1
