@@ -24,6 +24,10 @@ class NotSupportedYet(PlanError):
     """A Plan field asks for a feature that has not landed yet."""
 
 
+class ClusterError(ValueError):
+    """A cluster description is malformed: the message names the node or link and the field."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted, unsafe, or belongs to another model."""
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.cluster.catalog import CATALOG, DeviceType, lookup
-from tessera.errors import nearest
+from tessera.errors import ClusterError, nearest
 from tessera.inputs import InputError, load_yaml_file, shown
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -53,10 +53,6 @@ USABLE_MEMORY = 0.9
 # Bounds that keep a typo (count: 80000000) from making the planner search forever.
 MAX_DEVICES_PER_NODE = 1024
 MAX_NODES = 65_536
-
-
-class ClusterError(ValueError):
-    """A cluster description is malformed: the message names the node or link and the field."""
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,8 @@ PROFILE_MODULE = "tessera.planner.live.job"  # what each profiling rank runs
 
 def train(args: argparse.Namespace) -> int:
     """``tessera train``: check everything, then launch."""
-    if args.emulate:  # read by every rank (tessera.testbed.emulate.hooks_from_environment)
+    if args.emulate:  # read first: a malformed file is named before the config is
         Cluster.load(args.emulate)
-        os.environ[EMULATE_ENV] = str(Path(args.emulate).resolve())
     if args.testbed and (args.emulate or args.nnodes > 1 or args.rdzv_endpoint):
         raise ValueError(
             "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
@@ -45,11 +44,14 @@ def train(args: argparse.Namespace) -> int:
         except BaseException:
             checked.close()
             raise
+        # handed to the ranks (tessera.testbed.emulate.hooks_from_environment), never left in this process
+        checked.env[EMULATE_ENV] = str(Path(args.emulate).resolve())
     rank_args = [args.config, *(f"--set={o}" for o in args.overrides), *(["--overwrite"] if args.overwrite else [])]
     if "LOCAL_RANK" not in os.environ and args.group is None:
         log.get("launch").info(checked.banner(args.nproc, args.nnodes))
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank: become the rank
         checked.close()
+        os.environ.update({k: v for k, v in checked.env.items() if k == EMULATE_ENV})  # the handed file is gone
         os.execv(sys.executable, [sys.executable, "-m", RANK_MODULE, *rank_args])
     try:
         return _launch(args, checked, rank_args)

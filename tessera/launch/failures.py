@@ -33,6 +33,7 @@ from tessera.errors import (
     EXIT_INTERRUPTED,
     EXIT_RUNTIME_FAULT,
     CheckpointError,
+    ClusterError,
     PlanError,
     RuntimeFault,
 )
@@ -59,7 +60,7 @@ class RankReport:
     peer_lost: bool = False  # the error is that another rank's connection closed: that rank died first
 
 
-BAD_INPUT = (ConfigError, PlanError, CheckpointError, InputError, FileNotFoundError)
+BAD_INPUT = (ConfigError, PlanError, CheckpointError, ClusterError, InputError, FileNotFoundError)
 
 
 def classify(exc: BaseException) -> tuple[int, str]:

@@ -74,16 +74,16 @@ def _pace_peak(device: Any, dtype: str) -> float:
 
 def check_playable(cluster: Cluster, devices: Iterable[int], dtype: str, source: str = "the cluster file") -> None:
     """Refuse (ClusterError, a bad input) a cluster whose ``devices`` the ranks cannot play: one beyond the
-    devices it describes, or a device type with no peak for ``dtype`` or fp32 to pace it by."""
-    described = cluster.devices()
-    beyond = sorted(d for d in set(devices) if d >= len(described))
+    devices it describes, or one whose type has no peak for ``dtype`` or fp32 to pace it by."""
+    described, devices = cluster.devices(), set(devices)
+    beyond = sorted(d for d in devices if d >= len(described))
     if beyond:
         raise ClusterError(
             f"{source} describes {len(described)} devices, but the launch's ranks play device {beyond[-1]} too: "
             f"each rank plays one device; launch {len(described)} ranks (--nproc x --nnodes) or describe "
             f"{beyond[-1] + 1} devices."
         )
-    for _, _, device in described:
+    for _, _, device in (described[d] for d in sorted(devices)):
         if not _pace_peak(device, dtype):
             needed = " or ".join(dict.fromkeys([dtype, "fp32"]))
             raise ClusterError(
