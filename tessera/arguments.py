@@ -64,20 +64,32 @@ def _version() -> str:
     return f"tessera {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every ``tessera`` subcommand."""
-    ap = _Parser(prog="tessera", description="Scale PyTorch training with one Plan.")
-    ap.add_argument("--version", action="version", version=_version())
-    ap.add_argument(
+def _console_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """``--log-level`` and ``-q``, before the command (``tessera -q train ...``) or after it (``tessera train
+    ... -q``): after it they default to nothing, so the command's parser does not undo what came before."""
+    unset = {"default": argparse.SUPPRESS} if after_command else {}
+    parser.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         help="what the console shows (default: info, or TESSERA_LOG_LEVEL); debug also lets the libraries "
         "beneath (torchft, transformers) speak",
+        **unset,
     )
-    ap.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (--log-level warning)")
+    quiet_default = unset or {"default": False}
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="warnings and errors only (--log-level warning)", **quiet_default
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every ``tessera`` subcommand."""
+    ap = _Parser(prog="tessera", description="Scale PyTorch training with one Plan.")
+    ap.add_argument("--version", action="version", version=_version())
+    _console_options(ap)
     sub = ap.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a YAML config (launches torchrun)")
     train.add_argument("config", help="the training config (YAML): model, data, optimizer, plan, train ...")
+    _console_options(train, after_command=True)
     train.add_argument(
         "--set",
         dest="overrides",

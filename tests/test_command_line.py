@@ -31,7 +31,11 @@ def test_every_argument_has_help_and_its_help_names_its_default() -> None:
             label = f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
             if not action.help:
                 missing.append(label)
-            elif action.default is not None and action.default is not False and action.default not in ("", []):
+            elif (
+                action.default is not None
+                and action.default is not False
+                and action.default not in ("", [], argparse.SUPPRESS)
+            ):
                 if f"default: {action.default}" not in " ".join(text.split()):
                     unsaid.append(label)
     assert not missing, f"arguments without help: {missing}"
@@ -82,3 +86,14 @@ def test_the_slurm_example_asks_for_what_it_uses_and_its_tessera_command_parses(
     args = build_parser().parse_args(shlex.split(command)[1:])
     assert (args.command, args.config, args.nnodes, args.nproc) == ("train", "c.yaml", 2, 8)
     assert (args.rdzv_endpoint, args.rdzv_id, args.local_addr, args.max_restarts) == ("node1:29500", "77", "node2", 1)
+
+
+def test_the_console_options_go_before_or_after_the_command() -> None:
+    parse = build_parser().parse_args
+    assert [(a.quiet, a.log_level) for a in (parse(["-q", "train", "c.yaml"]), parse(["train", "c.yaml", "-q"]))] == [
+        (True, None),
+        (True, None),
+    ]
+    assert parse(["--log-level", "debug", "train", "c.yaml"]).log_level == "debug"
+    assert parse(["train", "c.yaml", "--log-level", "error"]).log_level == "error"
+    assert (parse(["train", "c.yaml"]).quiet, parse(["train", "c.yaml"]).log_level) == (False, None)
