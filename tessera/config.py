@@ -228,6 +228,7 @@ class PlanConfig(_Section):
     preset: Literal["ddp", "zero"] = "zero"
     file: str | None = None
     _plan: Plan | None = PrivateAttr(default=None)  # built once: at load time, or a plan file when first asked
+    _planned_world: int | None = PrivateAttr(default=None)  # the world size a plan file records, once read
 
     @model_validator(mode="after")
     def _plan_fields(self) -> PlanConfig:
@@ -430,12 +431,19 @@ def plan_from_config(cfg: PlanConfig) -> Plan:
     return cfg._plan
 
 
+def planned_world_size(cfg: PlanConfig) -> int | None:
+    """The ranks the config's plan file says it was made for (None: no file, or one that does not say)."""
+    plan_from_config(cfg)  # reads the file, once
+    return cfg._planned_world
+
+
 def _build_plan(cfg: PlanConfig) -> Plan:
     if cfg.file:
         try:
-            return Plan.load(cfg.file)
+            plan, cfg._planned_world = Plan.load_file(cfg.file)
         except PlanError as exc:
             raise ConfigError(f"plan: {exc}") from None
+        return plan
     fields = cfg.plan_fields()
     pipeline = {k: fields.pop(k) for k in PIPELINE_KEYS if k in fields}
     try:

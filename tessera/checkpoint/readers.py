@@ -151,11 +151,12 @@ def read_trainer_state(path: str | Path) -> dict[str, Any]:
     scaler), refused with the file named when it is not that (empty, or a field of another kind)."""
     file = Path(path) / "trainer.pt"
     state = read_data(file)
-    wrong = [
-        name for name, kind in TRAINER_STATE.items() if not isinstance(state, dict) or not _is(state.get(name), kind)
-    ]
+    if isinstance(state, dict):
+        wrong = [name for name, kind in TRAINER_STATE.items() if not _is(state.get(name), kind)]
+        found = ", ".join(f"{n}={state.get(n)!r}"[:60] for n in wrong)
+    else:
+        wrong, found = list(TRAINER_STATE), repr(state)[:60]
     if wrong:
-        found = ", ".join(f"{n}={state.get(n)!r}"[:60] for n in wrong) if isinstance(state, dict) else repr(state)[:60]
         raise CheckpointError(
             f"'{file}' is corrupted: it is not the trainer's state ({found}; it needs {', '.join(TRAINER_STATE)}): "
             "resume from an earlier checkpoint (move this one away), or start fresh with --overwrite."

@@ -142,8 +142,7 @@ class Cluster:
             peaks = ", ".join(f"{k} {v:g}" for k, v in t.peak_tflops.items())
             lines.append(f"node {n.name} ({n.region}): {n.count} x {t.name}, {t.memory_gib:g} GiB, {peaks} TFLOP/s, "
                          f"memory {t.bandwidth_gbs:g} GB/s")  # fmt: skip
-        named = [(kind, link) for kind, link in self.links.items()]
-        named += [(" - ".join(sorted(pair)), link) for pair, link in self.pair_links.items()]
+        named = [*self.links.items(), *((" - ".join(sorted(pair)), link) for pair, link in self.pair_links.items())]
         for name, link in named:
             burst = f", bursts of {link.burst_bytes:,.0f} B" if link.burst_bytes else ""
             lines.append(f"link {name}: {link.bandwidth_gbs * 8:g} Gbit/s ({link.bandwidth_gbs:g} GB/s), "

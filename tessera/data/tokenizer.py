@@ -14,7 +14,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -123,20 +125,18 @@ def _read(path: Path) -> Any:
     return tokenizer
 
 
-class _quiet_transformers:
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
     """transformers' own logging held at ERROR while it reads a tokenizer (it warns, e.g., when the class a
     directory names is not the one reading it: harmless here, as the backend is what encodes)."""
+    from transformers.utils import logging
 
-    def __enter__(self) -> None:
-        from transformers.utils import logging
-
-        self._level = logging.get_verbosity()
-        logging.set_verbosity_error()
-
-    def __exit__(self, *exc: object) -> None:
-        from transformers.utils import logging
-
-        logging.set_verbosity(self._level)
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 @functools.lru_cache(maxsize=8)

@@ -29,18 +29,16 @@ PROFILE_MODULE = "tessera.planner.live.job"  # what each profiling rank runs
 
 def train(args: argparse.Namespace) -> int:
     """``tessera train``: check everything, then launch."""
-    if args.emulate:  # read first: a malformed file is named before the config is
-        Cluster.load(args.emulate)
+    emulated = Cluster.load(args.emulate) if args.emulate else None  # a malformed file named before the config
     if args.testbed and (args.emulate or args.nnodes > 1 or args.rdzv_endpoint):
         raise ValueError(
             "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
         )
     checked = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group)
-    if args.emulate:  # every rank plays a device of the file: each one it plays must be there, and paced
+    if emulated is not None:  # every rank plays a device of the file: each one it plays must be there, and paced
         plan, world = checked.plan, args.nproc * args.nnodes
         try:
-            check_playable(Cluster.load(args.emulate), map(plan.device_of, range(world)), plan.precision,
-                           f"--emulate '{args.emulate}'")  # fmt: skip
+            check_playable(emulated, map(plan.device_of, range(world)), plan.precision, f"--emulate '{args.emulate}'")
         except BaseException:
             checked.close()
             raise
@@ -51,7 +49,8 @@ def train(args: argparse.Namespace) -> int:
         log.get("launch").info(checked.banner(args.nproc, args.nnodes))
     if "LOCAL_RANK" in os.environ:  # already a torchrun/SLURM-launched rank: become the rank
         checked.close()
-        os.environ.update({k: v for k, v in checked.env.items() if k == EMULATE_ENV})  # the handed file is gone
+        if EMULATE_ENV in checked.env:  # the emulated cluster goes with it (the handed records are gone)
+            os.environ[EMULATE_ENV] = checked.env[EMULATE_ENV]
         os.execv(sys.executable, [sys.executable, "-m", RANK_MODULE, *rank_args])
     try:
         return _launch(args, checked, rank_args)

@@ -22,7 +22,7 @@ from typing import Any
 
 from tessera.checkpoint import latest_checkpoint
 from tessera.checkpoint.readers import read_trainer_state
-from tessera.config import Config, ConfigError, load_config, plan_from_config
+from tessera.config import Config, ConfigError, load_config, plan_from_config, planned_world_size
 from tessera.data.held_out import check_held_out
 from tessera.data.instructions import HANDED_ENV, InstructionData, records_key
 from tessera.data.shards import TokenShards
@@ -143,13 +143,11 @@ def check_training(
     ``group``: the launch is that group of fault-tolerant Plan.groups alone."""
     cfg = load_config(config, overrides)
     world = nproc * nnodes
-    if cfg.plan.file is not None and group is None:  # a planned file says how many ranks it was made for
-        recorded = Plan.load_file(cfg.plan.file)[1]
-        if recorded is not None and recorded != world:
-            raise ConfigError(
-                f"plan.file '{cfg.plan.file}' was made for {recorded} ranks (its world_size), but this launch starts "
-                f"{world} ({nproc} per machine x {nnodes}): launch {recorded} ranks, or plan again for {world}."
-            )
+    if group is None and (recorded := planned_world_size(cfg.plan)) is not None and recorded != world:
+        raise ConfigError(
+            f"plan.file '{cfg.plan.file}' was made for {recorded} ranks (its world_size), but this launch starts "
+            f"{world} ({nproc} per machine x {nnodes}): launch {recorded} ranks, or plan again for {world}."
+        )
     try:
         jobs = grid.launch_jobs(plan_from_config(cfg.plan), world, cfg.train.global_batch_size, group)
     except PlanError as exc:
@@ -185,9 +183,7 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
     else:
         check_corpus_size(resolve_paths(cfg.data.paths), cfg.data.seq_len, cfg.data.max_bytes)  # sizes only
     _check_experts(cfg, plan)
-    for job in checked.jobs:  # each fault-tolerant group's own layout
-        if max(job.plan.tp, job.plan.sp, job.plan.ep, job.plan.pp) > 1:
-            _check_shapes(cfg, job.plan)
+    _check_shapes(cfg, [job.plan for job in checked.jobs])  # each fault-tolerant group's own layout
     if cfg.model.lora is not None and cfg.model.lora.dropout > 0 and plan.tp > 1:
         raise ConfigError(
             f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
@@ -215,8 +211,12 @@ def _check_run_directory(cfg: Config, overwrite: bool) -> None:
             read_trainer_state(latest)  # what the resume reads first, checked before launch
 
 
-def _check_shapes(cfg: Config, plan: Plan) -> None:
-    """The plan's tp, sp, ep and pp against the model's shapes, on the model built on meta (no memory)."""
+def _check_shapes(cfg: Config, plans: list[Plan]) -> None:
+    """Each plan's tp, sp, ep and pp against the model's shapes, on the model built once on meta (no memory),
+    and only when some plan splits the model."""
+    splitting = [p for p in plans if max(p.tp, p.sp, p.ep, p.pp) > 1]
+    if not splitting:
+        return
     import torch
 
     from tessera.models.build import build_model
@@ -225,7 +225,8 @@ def _check_shapes(cfg: Config, plan: Plan) -> None:
     with torch.device("meta"):
         model = build_model(cfg, weights=False)
     try:
-        check_plan_fits(model, plan, cfg.data.seq_len)
+        for plan in splitting:
+            check_plan_fits(model, plan, cfg.data.seq_len)
     except PlanError as exc:
         raise ConfigError(f"plan: {exc}") from None
 

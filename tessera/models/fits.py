@@ -3,9 +3,9 @@
 The launcher builds the model on the meta device (shapes, no memory) and asks its family's policy the
 questions the runtime asks when it lays the model out (:mod:`tessera.runtime.parallelize`,
 :mod:`tessera.runtime.pipelined`): the sizes tp must divide, whether the family has a split/gather,
-Ulysses or pipeline layout, the attention heads sp must divide, and the layers the stages take. A plan the
-model cannot take is refused in a second, not after its ranks have started. Experts against Plan.ep are
-checked from the config alone (:func:`tessera.launch.preflight`).
+Ulysses or pipeline layout, the attention heads sp must divide, whether it has experts Tessera splits, and
+the layers the stages take. A plan the model cannot take is refused in a second, not after its ranks have
+started. The experts' count against Plan.ep is checked from the config alone (:mod:`tessera.launch.preflight`).
 
 Example::
 
@@ -21,6 +21,7 @@ from torch import nn
 from tessera.errors import PlanError
 from tessera.models.hf_experts import HF_EXPERTS, expert_modules
 from tessera.models.policies import policy_for
+from tessera.parallel.sequence import check_ulysses_heads
 from tessera.plan import Plan
 
 HEADS = ("num_attention_heads", "n_heads", "n_head")  # what the families' policies call the attention heads
@@ -44,11 +45,8 @@ def check_plan_fits(model: nn.Module, plan: Plan, seq_len: int) -> None:
             )
         sizes = policy.sizes(model)
         heads = next((sizes[name] for name in HEADS if name in sizes), None)
-        if heads is not None and heads % plan.sp:
-            raise PlanError(
-                f"Ulysses sequence parallelism: {heads} attention heads do not divide by sp={plan.sp}; "
-                "choose an sp that divides the number of heads."
-            )
+        if heads is not None:
+            check_ulysses_heads(heads, plan.sp)
         _check_sequence(seq_len, plan.sp, "Plan.sp")
     if plan.ep > 1 and not expert_modules(model):
         raise PlanError(

@@ -45,6 +45,16 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.permute(1, 0, 2, 3, 4).reshape(b, p * h, s // p, d)
 
 
+def check_ulysses_heads(heads: int, sp: int) -> None:
+    """Refuse an sp the attention heads cannot be split by (the all-to-all gives each rank heads/sp heads);
+    the launcher asks it too, before any rank starts (:mod:`tessera.models.fits`)."""
+    if heads % sp:
+        raise PlanError(
+            f"Ulysses sequence parallelism: {heads} attention heads do not divide by sp={sp}; "
+            "choose an sp that divides the number of heads."
+        )
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,11 +73,7 @@ def ulysses_attention(
     """
     p = dist.get_world_size(group)
     heads, kv_heads = q.shape[1], k.shape[1]
-    if heads % p:
-        raise PlanError(
-            f"Ulysses sequence parallelism: {heads} attention heads do not divide by sp={p}; "
-            "choose an sp that divides the number of heads."
-        )
+    check_ulysses_heads(heads, p)
     if kv_heads % p:  # fewer kv heads than ranks: give every query head its own kv head first
         k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)
