@@ -101,6 +101,41 @@ def test_bad_cluster_files_name_the_node_and_field(data: dict, needle: str) -> N
     assert needle in str(info.value), str(info.value)
 
 
+def test_a_machine_may_hold_several_device_types(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 33, item 8: one machine with two kinds of GPU is one file entry. Each type is a node of its own
+    (``c/L4``) on that machine: they talk over the intra-node link, a link named for the machine applies to
+    them, the file reads back the same, and ``tessera plan`` launches the machine as one torchrun node."""
+    data = {
+        "nodes": [
+            {"name": "a", "devices": [{"type": "A100-80GB", "count": 2}]},
+            {"name": "c", "devices": [{"type": "A100-80GB", "count": 1}, {"type": "L4", "count": 1}]},
+        ],
+        "links": {"between": [{"nodes": ["a", "c"], "gbit_s": 8, "latency_us": 100}]},
+    }
+    cluster = Cluster.from_dict(data)
+    expected = [("a", "a", 2), ("c/A100-80GB", "c", 1), ("c/L4", "c", 1)]
+    assert [(n.name, n.host, n.count) for n in cluster.nodes] == expected
+    assert [t.name for _, _, t in cluster.devices()] == ["A100-80GB"] * 3 + ["L4"]
+    assert cluster.link("c/A100-80GB", "c/L4") == cluster.links["intra_node"]
+    assert cluster.worst_link({"c/A100-80GB", "c/L4"}) == cluster.links["intra_node"]
+    assert cluster.link("a", "c/L4").bandwidth_gbs == 1.0 == cluster.worst_link({"a", "c/L4"}).bandwidth_gbs
+    assert Cluster.from_dict(cluster.to_dict()) == cluster and len(cluster.to_dict()["nodes"]) == 2
+    for devices, needle in (
+        ([{"type": "L4", "count": 1}, {"type": "L4", "count": 2}], "lists type 'L4' twice"),
+        ([{"type": "L4", "count": 1}, {"type": "L4"}], r"devices\[1\] has no count"),
+        ([], "must be a list of {type, count} entries"),
+    ):
+        with pytest.raises(ClusterError, match=needle):
+            Cluster.from_dict({"nodes": [{"name": "m", "devices": devices}]})
+    from tessera.plan import Plan
+    from tessera.planner.command import print_launch
+
+    print_launch(Plan(dp=4), cluster, str(tmp_path / "p.yaml"))  # every device: machine a, then machine c
+    launch = [line.strip() for line in capsys.readouterr().out.splitlines() if "torchrun --" in line]
+    assert launch == ["a: torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2",
+                      "c: torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2"], launch  # fmt: skip
+
+
 def test_detect_describes_this_machine_as_a_valid_file(tmp_path: Path) -> None:
     text = describe(detect("here"))
     assert "measured here" in text  # measured figures are labelled as such

@@ -98,7 +98,8 @@ def _system_memory_gib() -> float:
 
 
 def detect(node_name: str | None = None) -> Cluster:
-    """This machine as a one-node cluster (one node per device type if its GPUs differ)."""
+    """This machine as a one-node cluster (one node per device type, on this machine, if its GPUs differ).
+    The types are listed in the order CUDA first numbers them."""
     host = node_name or socket.gethostname()
     if not torch.cuda.is_available():
         cpu = torch.device("cpu")
@@ -108,14 +109,17 @@ def detect(node_name: str | None = None) -> Cluster:
     for i in range(torch.cuda.device_count()):
         by_type.setdefault(torch.cuda.get_device_name(i), []).append(i)
     nodes, types = [], {}
-    for k, (device_name, indices) in enumerate(by_type.items()):
+    for device_name, indices in by_type.items():
         memory = torch.cuda.get_device_properties(indices[0]).total_memory / 2**30
         name = catalog_name(device_name, memory)
         if name is None:  # not catalogued: measure it
             device = torch.device("cuda", indices[0])
             name = device_name.replace(" ", "-")
             types[name] = DeviceType(name, measure_peaks(device, 4096), round(memory, 1), measure_bandwidth(device))
-        nodes.append(Node(host if len(by_type) == 1 else f"{host}-{k}", name, len(indices)))
+        if len(by_type) == 1:
+            nodes.append(Node(host, name, len(indices)))
+        else:  # one machine of several device types: a node per type, launched together
+            nodes.append(Node(f"{host}/{name}", name, len(indices), machine=host))
     return Cluster(tuple(nodes), device_types=types)
 
 

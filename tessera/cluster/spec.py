@@ -8,6 +8,8 @@ A ``cluster.yaml``::
         devices: [{type: A100-80GB, count: 8}]
       - name: b
         devices: [{type: L4, count: 4}]
+      - name: c                              # a machine with two kinds of GPU: one entry per type, in the
+        devices: [{type: A100-80GB, count: 2}, {type: L4, count: 2}]   # order CUDA numbers them
     device_types:                            # optional: types missing from the catalogue, or overrides
       MyGPU: {peak_tflops: {bf16: 200, fp32: 20}, memory_gib: 48, bandwidth_gbs: 1000}
     links:                                   # optional: defaults below
@@ -18,7 +20,12 @@ A ``cluster.yaml``::
         - {nodes: [a, b], gbit_s: 100, latency_us: 20}
         # any link may add burst_bytes: what a shaped link passes at once after idling (default 0)
 
-A device entry needs its ``count``. A link's bandwidth is ``gbit_s`` (Gbit/s); ``bandwidth_gbs`` (GB/s, a
+A device entry needs its ``count``. A machine with several device types lists one entry per type; each entry
+becomes a node of its own, named ``machine/type`` (``c/A100-80GB``, ``c/L4``), on that machine: they share the
+intra-node link, a ``between`` link naming the machine applies to them all, and the machine is launched as one
+torchrun node with all its devices (``tessera plan`` prints it so).
+
+A link's bandwidth is ``gbit_s`` (Gbit/s); ``bandwidth_gbs`` (GB/s, a
 byte unit: 1 GB/s = 8 Gbit/s) is still read, as a deprecated alias. A device type's ``bandwidth_gbs`` is its
 memory bandwidth in GB/s, as GPU data sheets give it. ``tessera cluster check`` prints every node, device and
 link with its units.
@@ -105,10 +112,19 @@ DEFAULT_LINKS = {
 
 @dataclass(frozen=True)
 class Node:
+    """Devices of one type on one machine. A machine with several types is several nodes with its name as their
+    ``machine`` (and ``machine/type`` as their own names)."""
+
     name: str
     device_type: str  # a catalogue name or a key of the file's device_types
     count: int
     region: str = "default"
+    machine: str = ""  # the machine it is part of, when that machine holds several device types
+
+    @property
+    def host(self) -> str:
+        """The machine: one torchrun node, one intra-node link."""
+        return self.machine or self.name
 
 
 @dataclass(frozen=True)
@@ -158,8 +174,16 @@ class Cluster:
         """Every device, in rank order: (node, local index, type)."""
         return [(n.name, i, self.device_type(n.name)) for n in self.nodes for i in range(n.count)]
 
+    def hosts(self) -> list[tuple[str, list[Node]]]:
+        """Every machine, in the file's order, with its nodes (one, or one per device type)."""
+        machines: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            machines.setdefault(n.host, []).append(n)
+        return list(machines.items())
+
     def link(self, a: str, b: str) -> Link:
-        """The link between nodes ``a`` and ``b`` (the same node: the intra-node link)."""
+        """The link between nodes ``a`` and ``b`` (the same machine: the intra-node link)."""
+        a, b = self.node(a).host, self.node(b).host
         if a == b:
             return self.links["intra_node"]
         if (pair := frozenset((a, b))) in self.pair_links:
@@ -168,14 +192,14 @@ class Cluster:
         return self.links["inter_node" if same_region else "inter_region"]
 
     def worst_link(self, nodes: set[str]) -> Link:
-        """The slowest link between any two of ``nodes`` (the intra-node link for one node)."""
-        names = sorted(nodes)
-        if len(names) == 1:
+        """The slowest link between any two of ``nodes`` (the intra-node link for nodes of one machine)."""
+        hosts = {self.node(n).host for n in nodes}
+        if len(hosts) == 1:
             return self.links["intra_node"]
-        regions = {self.node(n).region for n in names}
+        regions = {self.node(n).region for n in nodes}
         link = self.links["inter_node" if len(regions) == 1 else "inter_region"]
         for pair, pair_link in self.pair_links.items():
-            if pair <= nodes and pair_link.bandwidth_gbs < link.bandwidth_gbs:
+            if pair <= hosts and pair_link.bandwidth_gbs < link.bandwidth_gbs:
                 link = pair_link
         return link
 
@@ -202,15 +226,19 @@ class Cluster:
             )
         types = {str(name): _device_type(str(name), spec, source) for name, spec in raw_types.items()}
         nodes = _nodes(data.get("nodes"), types, source)
-        links, pairs = _links(data.get("links") or {}, {n.name for n in nodes}, source)
+        links, pairs = _links(data.get("links") or {}, {n.host for n in nodes}, source)
         return cls(tuple(nodes), types, links, pairs)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "nodes": [
-                {"name": n.name, "region": n.region, "devices": [{"type": n.device_type, "count": n.count}]}
-                for n in self.nodes
-            ]
+                {
+                    "name": host,
+                    "region": parts[0].region,
+                    "devices": [{"type": n.device_type, "count": n.count} for n in parts],
+                }
+                for host, parts in self.hosts()
+            ]  # fmt: skip
         }
         if self.device_types:
             out["device_types"] = {
@@ -285,39 +313,56 @@ def _nodes(raw: Any, types: dict[str, DeviceType], source: str) -> list[Node]:
         name = spec.get("name")
         if not isinstance(name, str) or not name:
             raise ClusterError(f"{where}.name must be a non-empty string.")
+        if "/" in name:
+            raise ClusterError(f"{where}.name={name!r}: a node name has no '/' (it joins a machine to a device type).")
         where = f"{source}: node {name!r}"
-        if any(n.name == name for n in nodes):
+        if any(n.host == name for n in nodes):
             raise ClusterError(f"{where}: the name is used twice; node names must be unique.")
-        devices = spec.get("devices")
-        if not isinstance(devices, list) or len(devices) != 1 or not isinstance(devices[0], dict):
-            raise ClusterError(
-                f"{where}.devices must be a list with one entry {{type, count}}: one node holds one device type "
-                "(describe a mixed machine as two nodes with a fast link between them)."
-            )
-        _known_keys(devices[0], ("type", "count"), f"{where}.devices[0]")
-        if "count" not in devices[0]:
-            raise ClusterError(
-                f"{where}.devices[0] has no count: write count: N, the devices of type "
-                f"{devices[0].get('type')!r} this node holds (e.g. count: 8)."
-            )
-        dtype, count = devices[0].get("type"), devices[0]["count"]
-        if not isinstance(dtype, str) or (dtype not in types and lookup(dtype) is None):
-            hint = nearest(str(dtype), [*CATALOG, *types])
-            raise ClusterError(
-                f"{where}.devices[0].type={dtype!r} is not in the catalogue{hint} and the file gives no figures for "
-                f"it: add device_types.{dtype}: {{peak_tflops: {{bf16: ...}}, memory_gib: ..., bandwidth_gbs: ...}}, "
-                f"or use one of {', '.join(CATALOG)}."
-            )
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES_PER_NODE:
-            raise ClusterError(
-                f"{where}.devices[0].count must be a positive integer (at most {MAX_DEVICES_PER_NODE}), "
-                f"got {shown(count)}."
-            )
         region = spec.get("region", "default")
         if not isinstance(region, str) or not region:
             raise ClusterError(f"{where}.region must be a non-empty string, got {region!r}.")
-        nodes.append(Node(name, dtype, count, region))
+        devices = spec.get("devices")
+        if not isinstance(devices, list) or not devices or not all(isinstance(d, dict) for d in devices):
+            raise ClusterError(
+                f"{where}.devices must be a list of {{type, count}} entries, e.g. [{{type: H100, count: 8}}] "
+                "(a machine with several kinds of device: one entry per type)."
+            )
+        entries = [_device_entry(entry, f"{where}.devices[{k}]", types) for k, entry in enumerate(devices)]
+        kinds = [dtype for dtype, _ in entries]
+        if len(set(kinds)) < len(kinds):
+            twice = sorted({k for k in kinds if kinds.count(k) > 1})
+            raise ClusterError(f"{where}.devices lists type {twice[0]!r} twice: give each type once, with its count.")
+        for dtype, count in entries:
+            if len(entries) == 1:
+                nodes.append(Node(name, dtype, count, region))
+            else:  # one node per device type, all on this machine
+                nodes.append(Node(f"{name}/{dtype}", dtype, count, region, machine=name))
+        if sum(count for _, count in entries) > MAX_DEVICES_PER_NODE:
+            raise ClusterError(f"{where}: more than {MAX_DEVICES_PER_NODE} devices on one machine.")
     return nodes
+
+
+def _device_entry(entry: dict, where: str, types: dict[str, DeviceType]) -> tuple[str, int]:
+    """One ``{type, count}`` entry of a node's devices, checked."""
+    _known_keys(entry, ("type", "count"), where)
+    if "count" not in entry:
+        raise ClusterError(
+            f"{where} has no count: write count: N, the devices of type {entry.get('type')!r} this node holds "
+            "(e.g. count: 8)."
+        )
+    dtype, count = entry.get("type"), entry["count"]
+    if not isinstance(dtype, str) or (dtype not in types and lookup(dtype) is None):
+        hint = nearest(str(dtype), [*CATALOG, *types])
+        raise ClusterError(
+            f"{where}.type={dtype!r} is not in the catalogue{hint} and the file gives no figures for it: add "
+            f"device_types.{dtype}: {{peak_tflops: {{bf16: ...}}, memory_gib: ..., bandwidth_gbs: ...}}, or use one "
+            f"of {', '.join(CATALOG)}."
+        )
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES_PER_NODE:
+        raise ClusterError(
+            f"{where}.count must be a positive integer (at most {MAX_DEVICES_PER_NODE}), got {shown(count)}."
+        )
+    return dtype, count
 
 
 LINK_KEYS = ("gbit_s", "bandwidth_gbs", "latency_us", "burst_bytes")

@@ -126,14 +126,18 @@ def print_launch(plan, cluster, out: str) -> None:
         )
         return
     devices = cluster.devices()
-    order: list[str] = []
+    order: list[str] = []  # machines, in the order plan 0's ranks reach them
+    ranks: list[int] = []  # how many consecutive ranks each runs
     for rank in range(ranks_of(plan, cluster)):
-        node = devices[plan.device_of(rank)][0]
-        if not order or order[-1] != node:
-            order.append(node)
+        host = cluster.node(devices[plan.device_of(rank)][0]).host
+        if order and order[-1] == host:
+            ranks[-1] += 1
+        else:
+            order.append(host)
+            ranks.append(1)
     lines = [
-        f"{node}: torchrun --nnodes {len(order)} --node-rank {k} --nproc-per-node {cluster.node(node).count}"
-        for k, node in enumerate(order)
+        f"{host}: torchrun --nnodes {len(order)} --node-rank {k} --nproc-per-node {n}"
+        for k, (host, n) in enumerate(zip(order, ranks))
     ]
     if len(order) <= CONSOLE_LAUNCH_NODES:
         print("launch plan 0 with torchrun, one command per node:\n  " + "\n  ".join(lines))
