@@ -306,10 +306,30 @@ class EvalConfig(_Section):
 
 
 class LoggingConfig(_Section):
+    """Where a run writes, and the trackers it mirrors ``metrics.jsonl`` to (:mod:`tessera.train.trackers`):
+    ``trackers: [tensorboard, wandb, mlflow]`` names them; left out, TensorBoard is used when installed
+    (``tensorboard: false`` turns that off). ``project`` is the W&B project and the MLflow experiment."""
+
     run_name: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     out_dir: str = "runs"
     progress: bool = True
     tensorboard: bool = True
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None, description="experiment trackers (default: tensorboard, when installed)"
+    )
+    project: str = Field("tessera", min_length=1, description="W&B project / MLflow experiment")
+
+    @model_validator(mode="after")
+    def _one_say_on_tensorboard(self) -> LoggingConfig:
+        if self.trackers is not None:
+            if len(set(self.trackers)) < len(self.trackers):
+                raise ValueError(f"logging.trackers={self.trackers} names a tracker twice: list each once")
+            if not self.tensorboard and "tensorboard" in self.trackers:
+                raise ValueError(
+                    "logging.tensorboard: false, but logging.trackers lists tensorboard: drop one of them "
+                    "(with trackers given, tensorboard: is not needed)"
+                )
+        return self
 
 
 class Config(_Section):

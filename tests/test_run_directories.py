@@ -53,9 +53,11 @@ def test_overwrite_replaces_the_old_run_whatever_resume_says(tmp_path: Path, res
     fake_checkpoint(tmp_path, 400, "old")
     (tmp_path / "metrics.jsonl").write_text('{"step": 400}\n')
     (tmp_path / "notes.txt").write_text("mine")  # not a run output: kept
+    (tmp_path / "wandb-run-id").write_text("old1")  # kept, the new run would log into the old W&B run
     claim = decide(tmp_path, "new", resume, overwrite=True)  # the example's resume: auto, too (issue 33)
     assert not claim.resume and owner(tmp_path) == "new"
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "wandb-run-id").exists()
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -90,15 +92,15 @@ def test_only_the_owners_checkpoints_are_resumed_or_pruned(tmp_path: Path) -> No
 
 
 def test_metrics_are_appended_and_a_resumed_run_crashing_early_loses_nothing(tmp_path: Path) -> None:
-    log = MetricsLog(tmp_path, tensorboard=False)
+    log = MetricsLog(tmp_path)
     for step in (1, 2, 3, 4):
         log.log({"step": step, "loss": 10.0 - step})
     log.close()
     before = (tmp_path / "metrics.jsonl").read_text()
-    MetricsLog(tmp_path, tensorboard=False, resume_step=2)  # resumed from step 2, crashes before logging
+    MetricsLog(tmp_path, resume_step=2)  # resumed from step 2, crashes before logging
     after = (tmp_path / "metrics.jsonl").read_text()
     assert after.startswith(before), "a resumed run rewrote the records already written"
-    log = MetricsLog(tmp_path, tensorboard=False, resume_step=2)
+    log = MetricsLog(tmp_path, resume_step=2)
     log.log({"step": 3, "loss": 0.5})  # the redone step 3 supersedes the first one
     log.close()
     with (tmp_path / "metrics.jsonl").open("a") as f:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tessera import trackers
 from tessera.checkpoint import latest_checkpoint
 from tessera.checkpoint.readers import read_trainer_state
 from tessera.config import Config, ConfigError, load_config, plan_from_config, planned_world_size
@@ -37,6 +38,8 @@ from tessera.plan.grid import Job
 
 # Bytes per parameter a rank holds besides the weights it builds: fp32 gradients and Adam's two moments.
 STATE_BYTES_PER_PARAM = 12
+# What each tracker writes, as the banner says it.
+TRACKER_OUTPUT = {"tensorboard": "TensorBoard events", "wandb": "W&B run in wandb/", "mlflow": "MLflow run"}
 
 
 @dataclass
@@ -62,12 +65,10 @@ class Checked:
             kind = ", fault-tolerant, each its own job" if groups.fault_tolerant else ""
             shown += f" ({groups.count} groups, {groups.sync} sync{kind})"
         machines = f"{nproc} ranks" + (f" on each of {nnodes} machines" if nnodes > 1 else "")
-        board = ""
-        if cfg.logging.tensorboard:
-            from importlib.util import find_spec
-
-            installed = find_spec("tensorboard") is not None
-            board = ", TensorBoard events" if installed else "; TensorBoard off: pip install 'tessera[tensorboard]'"
+        names = trackers.chosen(cfg.logging.trackers, cfg.logging.tensorboard)
+        board = "".join(f", {TRACKER_OUTPUT[name]}" for name in names)
+        if cfg.logging.trackers is None and cfg.logging.tensorboard and not names:
+            board += "; TensorBoard off: pip install 'tessera[tensorboard]'"
         return "\n".join([
             f"tessera: {model} ({self.n_params / 1e6:,.2f}M parameters{lora}); plan {shown}, {plan.precision}; "
             f"{machines}; {cfg.train.steps} steps of {cfg.train.global_batch_size} sequences",
@@ -201,6 +202,8 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
 
 def _check_run_directory(cfg: Config, overwrite: bool) -> None:
     check_output_dir(cfg.logging.out_dir, "logging.out_dir")
+    if found := trackers.problems(trackers.chosen(cfg.logging.trackers, cfg.logging.tensorboard)):
+        raise ConfigError("; ".join(found) + ".")
     if cfg.run_dir.exists() and not cfg.run_dir.is_dir():
         raise ConfigError(f"the run directory '{cfg.run_dir}' is a file: choose another logging.run_name.")
     if cfg.checkpoint.resume == "never" and not overwrite and RUN_ID_ENV not in os.environ:

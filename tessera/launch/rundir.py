@@ -30,8 +30,10 @@ from tessera.config import ConfigError
 
 RUN_FILE = "run.json"
 RUN_ID_ENV = "TESSERA_RUN_ID"
-# What a run writes in its directory besides run.json: removed by --overwrite, nothing else is.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "logs")
+# What a run writes in its directory besides run.json: removed by --overwrite, nothing else is. The trackers'
+# files too: a kept wandb-run-id or mlflow-run-id would make the new run log into the old one.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "logs", "wandb", "wandb-run-id", "mlruns",
+               "mlflow-run-id")  # fmt: skip
 
 
 def new_run_id() -> str:

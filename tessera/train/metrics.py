@@ -1,4 +1,4 @@
-"""What a run reports: a progress line, metrics.jsonl (always), TensorBoard (when installed), a loss PNG.
+"""What a run reports: a progress line, metrics.jsonl (always), the trackers it names, a loss PNG.
 
 Only rank 0 reports; every figure is for the whole job (global-batch loss, all ranks' tokens).
 """
@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera import log
+
+if TYPE_CHECKING:
+    from tessera.trackers import Tracker
 
 
 def transformer_flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> float:
@@ -78,9 +82,10 @@ class Progress:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to ``metrics.jsonl``; mirrors to TensorBoard if asked and present."""
+    """Appends one JSON object per logged step to ``metrics.jsonl``; mirrors its numbers to the run's
+    ``trackers`` (:mod:`tessera.trackers`)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None, trackers: Sequence[Tracker] = ()) -> None:
         """The file is only ever appended to, so a crash can never lose records already written. A resumed
         run first appends ``{"event": "resumed", "step": resume_step}``: earlier records after that step
         came from steps the restart redoes, and readers (:func:`latest_records`) drop them."""
@@ -90,34 +95,35 @@ class MetricsLog:
         if resume_step is not None:
             self.file.write(json.dumps({"time": time.time(), "event": "resumed", "step": resume_step}) + "\n")
             self.file.flush()
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                # purge_step: TensorBoard drops events past the resumed step, as the restart redoes them
-                purge = resume_step + 1 if resume_step is not None else None
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
-            except ImportError:  # tensorboard not installed: JSONL only
-                self.tb = None
+        self.trackers = list(trackers)
 
     def log(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "time"):
-                    self.tb.add_scalar(key, value, record["step"])
-                elif isinstance(value, dict):  # one curve per entry: comm_bytes_per_step/inter_node
-                    for sub, number in value.items():
-                        if isinstance(number, (int, float)):
-                            self.tb.add_scalar(f"{key}/{sub}", number, record["step"])
+        if self.trackers:
+            scalars = scalars_of(record)
+            for tracker in self.trackers:
+                tracker.log(scalars, record["step"])
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as trackers take them: one curve per number, and per entry of a mapping
+    (``comm_bytes_per_step/inter_node``); the step and the time are the axes, not curves."""
+    scalars: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, bool) or key in ("step", "time"):
+            continue
+        if isinstance(value, (int, float)):
+            scalars[key] = value
+        elif isinstance(value, dict):
+            scalars.update({f"{key}/{sub}": n for sub, n in value.items() if isinstance(n, (int, float))})
+    return scalars
 
 
 def latest_records(metrics_path: Path) -> list[dict[str, Any]]:

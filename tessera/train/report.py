@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 import tessera
-from tessera import log, traffic
+from tessera import log, trackers, traffic
 from tessera.config import Config
 from tessera.train.metrics import MetricsLog, Progress, plot_experts, plot_loss
 
@@ -50,7 +50,7 @@ class RunReport:
         self.cfg, self.booster, self.experts = cfg, booster, experts
         self.flops_per_token, self.job_peak = flops_per_token, job_peak
         rank0 = dist.get_rank() == 0
-        self.log = MetricsLog(cfg.run_dir, cfg.logging.tensorboard, start_step if resumed else None) if rank0 else None
+        self.log = _metrics_log(cfg, start_step if resumed else None) if rank0 else None
         self.progress = Progress(cfg.train.steps, enabled=rank0 and cfg.logging.progress)
         self.traffic = {link: traffic.LinkTraffic() for link in traffic.LINKS}  # the job's, over the steps run
         self.start_step = self.reported_step = start_step
@@ -151,3 +151,12 @@ class RunReport:
         ]
         if parts:
             LOG.info("sent by all ranks: %s", "; ".join(parts))
+
+
+def _metrics_log(cfg: Config, resume_step: int | None) -> MetricsLog:
+    """metrics.jsonl, mirrored to the trackers the config chooses (checked before launch)."""
+    names = trackers.chosen(cfg.logging.trackers, cfg.logging.tensorboard)
+    opened = trackers.open_trackers(
+        names, cfg.run_dir, cfg.logging.run_name, cfg.logging.project, cfg.model_dump(mode="json"), resume_step
+    )
+    return MetricsLog(cfg.run_dir, resume_step, opened)
