@@ -149,8 +149,26 @@ class ModelConfig(_Section):
         return self
 
 
+def _dataset_shorthand(value: Any) -> Any:
+    return {"path": value} if isinstance(value, str) else value
+
+
+class DatasetSource(_Section):
+    """``data.dataset``: rows the ``datasets`` library reads (:mod:`tessera.data.hf_dataset`). ``path``: a
+    ``save_to_disk`` folder, or what ``load_dataset`` takes (a builder such as ``json``, ``csv``, ``parquet``
+    or ``text`` with ``data_files``; a folder of data files; a Hub name, where the Hub is reachable). A plain
+    string is the path."""
+
+    path: str = Field(min_length=1)
+    name: str | None = Field(None, description="the dataset's configuration (load_dataset's name)")
+    data_files: list[str] | None = Field(None, description="files for a builder such as json or csv")
+    split: str = Field("train", min_length=1)
+    text_field: str = Field("text", min_length=1, description="the text column, when rows are plain text")
+
+
 class DataConfig(_Section):
-    """Text files by path or glob; empty means the Python standard library's own source files."""
+    """Text files by path or glob; empty means the Python standard library's own source files. Or
+    ``prepared`` token shards, ``instructions`` jsonl files, or a ``dataset`` read by the datasets library."""
 
     paths: list[str] = Field(default_factory=list)
     seq_len: int = Field(128, gt=0, le=MAX_SEQ)
@@ -172,6 +190,11 @@ class DataConfig(_Section):
         0.0, ge=0, lt=0.5, description="the share of the data's sequences held out for eval (the last ones)"
     )
     on_bad_record: Literal["stop", "skip"] = "stop"
+    dataset: Annotated[DatasetSource | None, BeforeValidator(_dataset_shorthand)] = Field(
+        None,
+        description="rows through the datasets library: text (text_field), or prompt/response or messages records "
+        "to fine-tune on",
+    )
 
     @model_validator(mode="after")
     def _tokenizer_exists(self) -> DataConfig:
@@ -180,8 +203,12 @@ class DataConfig(_Section):
                 f"data.tokenizer={shown(self.tokenizer)} does not exist: give a tokenizer.json, the directory "
                 "holding it, or bytes"
             )
-        if self.pack and not self.instructions:
+        if self.pack and not (self.instructions or self.dataset):
             raise ValueError("data.pack packs data.instructions records: set data.instructions, or data.pack: false")
+        if self.dataset is not None and (self.paths or self.prepared or self.instructions):
+            raise ValueError(
+                "data.dataset is the training data: leave data.paths, data.prepared and data.instructions unset"
+            )
         if self.instructions and (self.paths or self.prepared):
             raise ValueError("data.instructions is the training data: leave data.paths and data.prepared unset")
         if self.prepared is not None:

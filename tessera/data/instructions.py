@@ -144,9 +144,13 @@ class InstructionData(Dataset):
         on_bad_record: str = "stop",
         pad_id: int = 0,
         pack: bool = False,
+        records: list[dict[str, Any]] | None = None,
+        field: str = "data.instructions",
     ) -> None:
+        """``records``: rows already read (each with its ``_where``), from the sources ``paths`` names, which
+        the config's ``field`` gave."""
         bad = BadRecords(on_bad_record)
-        records = read_records(paths, bad)
+        records = read_records(paths, bad) if records is None else records
         needs_chat = any("messages" in r for r in records)
         chat = ChatTemplate(tokenizer) if needs_chat and hasattr(tokenizer, "hf") else None  # bytes: none
         self.truncated, pieces = 0, []
@@ -162,7 +166,7 @@ class InstructionData(Dataset):
             pieces.append((ids, counted))
         self.skipped = bad.skipped
         if not pieces:
-            raise InputError(f"data.instructions {', '.join(paths)} hold no records ({bad.skipped} skipped).")
+            raise InputError(f"{field} {', '.join(paths)} hold no records ({bad.skipped} skipped).")
         groups = _pack(pieces, seq_len) if pack else [[p] for p in pieces]
         n = len(groups)
         self.x = torch.full((n, seq_len), pad_id, dtype=torch.long)
@@ -181,7 +185,7 @@ class InstructionData(Dataset):
                     self.positions[i, start : start + length] = torch.arange(length)
                 start += length
         if not bool((self.y != IGNORED).any()):
-            raise InputError(f"data.instructions {', '.join(paths)}: no record has a response token to learn.")
+            raise InputError(f"{field} {', '.join(paths)}: no record has a response token to learn.")
 
     def __len__(self) -> int:
         return len(self.x)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import glob
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,17 +89,23 @@ class PackedText(Dataset):
             seen += len(data)
             if seen >= skip_bytes + max_bytes:
                 break
-        if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
-            joined = bytearray(b"".join(parts))
-            _require_enough(len(joined), seq_len)
-            self.tokens = torch.frombuffer(joined, dtype=torch.uint8).long()
-        else:  # a document per file (its trailing newline is the byte tokenizer's separator)
-            texts = [p.decode("utf-8", errors="replace").removesuffix("\n") for p in parts]
-            end = tokenizer.end_of_document
-            self.tokens = torch.tensor([t for ids in tokenizer.encode_batch(texts) for t in [*ids, *end]])
-            _require_enough(len(self.tokens), seq_len, "tokens")
+        self.tokens = _encode(parts, seq_len, tokenizer)
         self.seq_len = seq_len
         self.files = files
+
+    @classmethod
+    def of_texts(cls, texts: Iterable[str], seq_len: int, max_bytes: int, tokenizer: Any, source: str) -> PackedText:
+        """Documents (rows of a dataset's text column) joined as files are, up to ``max_bytes`` of text."""
+        parts, seen = [], 0
+        for text in texts:
+            data = text.encode("utf-8") + b"\n"
+            parts.append(data[: max_bytes - seen])
+            seen += len(parts[-1])
+            if seen >= max_bytes:
+                break
+        packed = cls.__new__(cls)
+        packed.tokens, packed.seq_len, packed.files = _encode(parts, seq_len, tokenizer), seq_len, [source]
+        return packed
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -107,3 +113,18 @@ class PackedText(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         window = self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]
         return {"x": window[:-1], "y": window[1:]}
+
+
+def _encode(parts: list[bytes], seq_len: int, tokenizer: Any) -> torch.Tensor:
+    """Documents' bytes (each ending in a newline) as one token stream: the bytes themselves, or each
+    document encoded by ``tokenizer`` and ended with its end-of-document token."""
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        joined = bytearray(b"".join(parts))
+        _require_enough(len(joined), seq_len)
+        return torch.frombuffer(joined, dtype=torch.uint8).long()
+    # a document per part (its trailing newline is the byte tokenizer's separator)
+    texts = [p.decode("utf-8", errors="replace").removesuffix("\n") for p in parts]
+    end = tokenizer.end_of_document
+    tokens = torch.tensor([t for ids in tokenizer.encode_batch(texts) for t in [*ids, *end]])
+    _require_enough(len(tokens), seq_len, "tokens")
+    return tokens

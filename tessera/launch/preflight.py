@@ -25,6 +25,7 @@ from tessera.checkpoint import latest_checkpoint
 from tessera.checkpoint.readers import read_trainer_state
 from tessera.config import Config, ConfigError, load_config, plan_from_config, planned_world_size
 from tessera.data.held_out import check_held_out
+from tessera.data.hf_dataset import dataset_data
 from tessera.data.instructions import HANDED_ENV, InstructionData, records_key
 from tessera.data.shards import TokenShards
 from tessera.data.text import check_corpus_size, resolve_paths
@@ -178,6 +179,14 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
         data = InstructionData(resolve_paths(d.instructions), tokenizer, d.seq_len, d.on_bad_record, pack=d.pack)
         check_held_out(len(data), d.validation, cfg.train.global_batch_size)
         checked.handed(data, records_key(d, cfg.model.pretrained))
+    elif cfg.data.dataset is not None:  # read (and tokenized) here: a bad row or column is named before launch
+        if plan.groups is not None:
+            raise ConfigError("data.dataset with plan.groups is not supported yet: use data.prepared with groups.")
+        d = cfg.data
+        data = dataset_data(d.dataset, tokenizer, d.seq_len, d.max_bytes, d.on_bad_record, d.pack)
+        check_held_out(len(data), d.validation, cfg.train.global_batch_size)
+        if isinstance(data, InstructionData):  # the ranks read these tokens instead of tokenizing again
+            checked.handed(data, records_key(d, cfg.model.pretrained))
     elif cfg.data.prepared:
         shards = TokenShards(cfg.data.prepared, cfg.data.seq_len)  # its index and shard sizes; nothing is read
         check_held_out(len(shards), cfg.data.validation, cfg.train.global_batch_size)
