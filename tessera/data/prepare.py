@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tessera import log
 from tessera.data.records import BadRecords, json_objects
 from tessera.data.text import matching
 from tessera.data.tokenizer import copy_tokenizer, load_tokenizer, tokenizer_source
@@ -247,10 +248,9 @@ def prepare(
             made += counts["tokens"]
             bar(made / max(time.perf_counter() - started, 1e-9))
     finally:
+        bar.close()
         if pool is not None:
             pool.terminate()
-    if progress:
-        print(file=sys.stderr)
     return _write_index(out, pieces, tok, spec, dtype, settings)
 
 
@@ -272,15 +272,28 @@ def _claim(out: Path, settings: Settings) -> None:
 
 
 class _Progress:
-    """One status line on stderr: pieces done and tokens a second."""
+    """Pieces done and tokens a second: a tqdm bar on a terminal; otherwise a log line at each tenth of the
+    pieces (a batch system's log gets ten lines, not one per piece)."""
 
     def __init__(self, total: int, done: int, on: bool) -> None:
         self.total, self.done, self.on = total, done, on
+        self.bar: Any = None
+        if on and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit="piece", desc="data prepare", file=sys.stderr)
 
     def __call__(self, rate: float) -> None:
         self.done += 1
-        if self.on:
-            print(f"\rdata prepare: {self.done}/{self.total} pieces, {rate:,.0f} tokens/s", end="", file=sys.stderr)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+            self.bar.update(1)
+        elif self.on and (self.done * 10 // self.total > (self.done - 1) * 10 // self.total):
+            log.get("data").info(f"data prepare: {self.done}/{self.total} pieces, {rate:,.0f} tokens/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _write_index(out: Path, pieces: list[Piece], tok: Any, spec: str, dtype: str, settings: Settings) -> dict:
