@@ -88,6 +88,32 @@ def test_the_slurm_example_asks_for_what_it_uses_and_its_tessera_command_parses(
     assert (args.rdzv_endpoint, args.rdzv_id, args.local_addr, args.max_restarts) == ("node1:29500", "77", "node2", 1)
 
 
+def test_the_dockerfile_copies_what_exists_and_installs_extras_the_package_has() -> None:
+    """examples/Dockerfile cannot be built here (no Docker daemon, no registry): what it names is checked
+    instead. Every COPY source exists, every extra it installs is in pyproject.toml, its torch is the
+    Makefile's pin, and the command its header shows parses."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    repo = Path(__file__).parent.parent
+    text = (repo / "examples" / "Dockerfile").read_text()
+    for line in re.findall(r"^COPY (.+)$", text, flags=re.M):
+        sources = line.split()[:-1]
+        assert sources and all((repo / s).exists() for s in sources), line
+    section = (repo / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = dict.fromkeys(re.findall(r"^([a-z]+) = \[", section, flags=re.M))  # (tomllib: Python 3.11 on)
+    default_extras = re.search(r"^ARG EXTRAS=(\S+)$", text, flags=re.M).group(1).split(",")
+    shown_extras = re.search(r"--build-arg EXTRAS=(\S+)", text).group(1).split(",")
+    assert set(default_extras) | set(shown_extras) <= extras.keys(), set(default_extras) - extras.keys()
+    assert 'pip install --no-cache-dir -e ".[${EXTRAS}]"' in text
+    pin = re.search(r"torch==(\S+)", (repo / "Makefile").read_text()).group(1)
+    assert re.search(r"^ARG TORCH_VERSION=(\S+)$", text, flags=re.M).group(1) == pin
+    run = re.search(r"^# Run: +docker run .* tessera (train .*)$", text, flags=re.M).group(1)
+    args = build_parser().parse_args(shlex.split(run))
+    assert (args.command, args.config, args.nproc) == ("train", "examples/demo.yaml", 2)
+
+
 def test_the_console_options_go_before_or_after_the_command() -> None:
     parse = build_parser().parse_args
     assert [(a.quiet, a.log_level) for a in (parse(["-q", "train", "c.yaml"]), parse(["train", "c.yaml", "-q"]))] == [
