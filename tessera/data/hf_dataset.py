@@ -55,11 +55,11 @@ def load_rows(source: Any) -> Any:
             rows = rows[source.split]
         return rows
     path, files = source.path, source.data_files
+    if (folder.suffix.lower() in BUILDERS or source.path.startswith((".", "/", "~"))) and not folder.exists():
+        # a path, not a Hub name: said now, not after the Hub's retries
+        raise InputError(f"data.dataset.path={source.path!r} does not exist.")
     if folder.suffix.lower() in BUILDERS and not files:  # a data file itself: its builder, reading it
         path, files = BUILDERS[folder.suffix.lower()], [source.path]
-    elif folder.suffix.lower() in BUILDERS or source.path.startswith((".", "/", "~")):
-        if not folder.exists():  # a path, not a Hub name: said now, not after the Hub's retries
-            raise InputError(f"data.dataset.path={source.path!r} does not exist.")
     for file in files or []:
         if not Path(file).exists():
             raise InputError(f"data.dataset.data_files: {file!r} does not exist.")
