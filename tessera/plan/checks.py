@@ -30,6 +30,7 @@ V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")  # input and weight grads apart
 ROUND_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # micro-batches run in rounds of pp
 RECOMPUTE = ("none", "selective", "full")
+COMPILE = ("none", "blocks")  # "blocks": each repeated block compiled on its own (regional compilation)
 SP_MODES = ("split_gather", "all_to_all")
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -23,6 +23,7 @@ from tessera.errors import NotSupportedYet, PlanError
 from tessera.inputs import InputError, as_tuple, load_yaml, read_text, shown
 from tessera.plan import grid
 from tessera.plan.checks import (
+    COMPILE,
     DEVICES,
     MAX_COUNT,
     MAX_GROUP,
@@ -64,6 +65,11 @@ class Plan:
             from every global batch, e.g. ``(3, 1)``; ``None`` means equal.
         pipeline: stage layer ranges, micro-batch count and schedule.
         recompute: activation recompute, ``"none"``, ``"selective"`` or ``"full"``.
+        compile: ``"none"`` (eager) or ``"blocks"``: each repeated block's forward compiled on its own with
+            ``torch.compile`` (regional compilation: one compilation serves every block of a type, so
+            compile time does not grow with depth), after tensor parallelism and recompute, before data
+            parallelism. For now with DDP and ZeRO-1/2/3 (offload too) in fp32; other layouts are refused
+            by name.
         loss_parallel: with tp, keep the logits split over the vocabulary (a DTensor) and compute
             the cross-entropy on the shards under ``booster.loss_parallel()``: full logits are
             never gathered.
@@ -95,6 +101,7 @@ class Plan:
     expert_shares: tuple[int, ...] | None = None
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
     recompute: str = "none"
+    compile: str = "none"
     loss_parallel: bool = False
     device: str = "auto"
     rank_devices: tuple[str, ...] | None = None
@@ -137,6 +144,7 @@ class Plan:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("sp_mode", self.sp_mode, SP_MODES)
         check_choice("recompute", self.recompute, RECOMPUTE)
+        check_choice("compile", self.compile, COMPILE)
         check_choice("device", self.device, DEVICES)
         if not isinstance(self.pipeline, PipelineSpec):
             raise PlanError(f"Plan.pipeline must be a PipelineSpec, got {type(self.pipeline).__name__}.")
@@ -301,6 +309,26 @@ class Plan:
                 )
         if self.tp > 1 and self.offload:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
+        if self.compile != "none":
+            self._check_compilable()
+
+    def _check_compilable(self) -> None:
+        """Compiled blocks run (and are tested for parity) with DDP and ZeRO-1/2/3 in fp32 so far."""
+        unsupported = {
+            "tp": self.tp > 1,
+            "sp": self.sp > 1,
+            "pp": self.pp > 1,
+            "ep": self.ep > 1,
+            "replicas": self.replicas is not None,
+            "groups": self.groups is not None,
+            "precision": self.precision != "fp32",
+        }
+        other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
+        if other:
+            raise NotSupportedYet(
+                f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
+                "with DDP and ZeRO-1/2/3 (offload too) in fp32 for now; use compile='none' for the others."
+            )
 
     # ----------------------------------------------------------- rank arithmetic (tessera.plan.grid)
     def resolve(self, world_size: int) -> Plan:

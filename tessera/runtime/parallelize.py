@@ -1,5 +1,5 @@
 """One path that lays out a module, the whole model or one pipeline stage alike:
-tensor parallel (with split/gather sequence parallelism) → recompute → data parallel / ZeRO.
+tensor parallel (with split/gather sequence parallelism) → recompute → compiled blocks → data parallel / ZeRO.
 
 Ulysses sequence parallelism routes the whole model's attention and is switched on once per
 model (:func:`enable_ulysses`), before a pipeline cuts it into stages.
@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tessera.models import pretrained
 from tessera.models.hf_experts import expert_modules
 from tessera.parallel import data_parallel
+from tessera.parallel.compile import apply_compile
 from tessera.parallel.experts import average_expert_grads, shard_experts
 from tessera.parallel.policy import Policy
 from tessera.parallel.recompute import apply_recompute
@@ -68,6 +69,7 @@ def parallelize(
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
     blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
     apply_recompute(blocks, plan.recompute)
+    apply_compile(blocks, plan.compile)  # around the recompute, inside the data-parallel wrappers
     if source is not None and not fsdp:
         pretrained.materialize(module, home)
         pretrained.load_into(module, source)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import tessera
 from tessera import log, trackers, traffic
 from tessera.config import Config
+from tessera.parallel.compile import RecompileWatch
 from tessera.train.metrics import MetricsLog, Progress, plot_experts, plot_loss
 
 
@@ -55,6 +56,7 @@ class RunReport:
         self.traffic = {link: traffic.LinkTraffic() for link in traffic.LINKS}  # the job's, over the steps run
         self.start_step = self.reported_step = start_step
         self.crowded_reports = 0  # reported steps in a row where one expert took more than moe.warn_share
+        self.compiles = RecompileWatch() if booster.plan.compile != "none" else None
         traffic.take()  # from here on: the steps' traffic (set-up and restore are not steps)
 
     def step(self, step: int, epoch: int, numbers: StepNumbers) -> None:
@@ -70,7 +72,10 @@ class RunReport:
         self.traffic = {link: self.traffic[link] + sent[link] for link in traffic.LINKS}
         if self.log is None:
             return
-        tok_s = numbers.steps_done * self.cfg.train.global_batch_size * self.cfg.data.seq_len / numbers.elapsed_s
+        compiled, storm = self.compiles.report() if self.compiles is not None else ({}, None)
+        # compile time is reported on its own (compile_s), not in the speed
+        running_s = max(numbers.elapsed_s - compiled.get("compile_s", 0.0), 1e-9)
+        tok_s = numbers.steps_done * self.cfg.train.global_batch_size * self.cfg.data.seq_len / running_s
         record = {
             "step": step,
             "loss": numbers.loss,
@@ -96,6 +101,9 @@ class RunReport:
             record["mfu"] = record["achieved_tflops"] / self.job_peak
         if self.experts:
             record.update(self._expert_metrics())
+        record.update(compiled)  # compile time apart from step time, and recompilations counted
+        if storm:
+            LOG.warning(storm)
         self.log.log(record)
         self.progress.update(step, numbers.loss, tok_s, numbers.elapsed_s, numbers.steps_done)
 
@@ -133,6 +141,9 @@ class RunReport:
                     f"metrics: {self.log.path}; plot: {cfg.run_dir / 'loss.png'}"
                 )
             self._print_traffic()
+            if self.compiles is not None:
+                LOG.info(f"compiled blocks: {self.compiles.graphs} graphs in {self.compiles.seconds:.1f} s of "
+                         "compiling (left out of tokens/s)")  # fmt: skip
             if sample:
                 LOG.info("sample:\n%s", sample)
         return {
