@@ -145,9 +145,16 @@ def reference_run(kind: str, global_batch: int, steps: int, lr: float = 1e-3, ma
 
 
 def tessera_run(
-    plan_dict: dict, kind: str, global_batch: int, steps: int, lr: float = 1e-3, max_norm: float | None = None
+    plan_dict: dict,
+    kind: str,
+    global_batch: int,
+    steps: int,
+    lr: float = 1e-3,
+    max_norm: float | None = None,
+    evaluate: bool = True,
 ):
-    """The same training through Tessera on the current ranks (call inside run_ranks).
+    """The same training through Tessera on the current ranks (call inside run_ranks); ``evaluate``: also a
+    forward-only pass (a compiled run compiles one more graph for it).
 
     Pipeline and replica plans train through ``booster.execute_pipeline``; the others through the user's own
     forward/backward loop. The first step's full gradients come back too (rank 0)."""
@@ -183,7 +190,7 @@ def tessera_run(
     state = booster.full_state_dict(model)
     first = next(iter(booster.dataloader(TokenData(), global_batch_size=global_batch, seed=0)))
     evaluated = None  # forward only, every layout but torch's V schedules (refused: test_eval)
-    if not (booster.plan.pipelined and booster.plan.pipeline.schedule in V_SCHEDULES):
+    if evaluate and not (booster.plan.pipelined and booster.plan.pipeline.schedule in V_SCHEDULES):
         evaluated = float(booster.reduce_loss(booster.evaluate(first, model, loss_fn)))
     rank0 = dist.get_rank() == 0
     return {"losses": losses, "norms": norms, "params": state if rank0 else None, "grads": grads if rank0 else None,

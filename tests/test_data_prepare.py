@@ -99,7 +99,9 @@ def test_bad_records_stop_with_file_and_line_or_are_skipped_and_counted(tmp_path
         prepare(["nothing/*.jsonl"], tmp_path / "e", progress=False)
 
 
-def test_tessera_data_prepare_then_train_from_the_shards(tokenizer: Path, tmp_path: Path) -> None:
+def test_tessera_data_prepare_then_train_from_the_shards(
+    tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Prepared by the CLI, trained from under ZeRO-2 on 2 ranks. (Its resume, bit for bit, was dropped for the
     suite's time in session 42: the shuffle's position lives in the sampler, whatever the dataset, and
     test_checkpoint's bitwise resume covers it.)"""
@@ -113,9 +115,11 @@ def test_tessera_data_prepare_then_train_from_the_shards(tokenizer: Path, tmp_pa
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 
-    said = cli("data", "prepare", *default_corpus()[:30], "--tokenizer", str(tokenizer.parent), "--out",
-               str(tmp_path / "prepared"), "--workers", "2")  # fmt: skip
-    assert "30 documents, 30 shards" in said
+    from tessera.cli import main
+
+    assert main(["data", "prepare", *default_corpus()[:30], "--tokenizer", str(tokenizer.parent), "--out",
+                 str(tmp_path / "prepared"), "--workers", "2"]) == 0  # fmt: skip
+    assert "30 documents, 30 shards" in capsys.readouterr().out
     config = tiny_config(tmp_path / "runs", 6, 0, {"preset": "zero", "zero": 2})
     config["data"] = {"prepared": str(tmp_path / "prepared"), "seq_len": 32}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))

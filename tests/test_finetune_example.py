@@ -68,7 +68,9 @@ def test_the_fine_tuning_example_runs_end_to_end_and_exports_a_hugging_face_mode
     assert [r["step"] for r in held] == [3, 6] and all(r["val_perplexity"] > 1 for r in held)
     out, adapter, merged = tmp_path / "out", tmp_path / "adapter", tmp_path / "merged.safetensors"
     step = run / "checkpoints" / "step_00000006"
-    cli("export", str(step), "--hf-dir", str(out), "--adapter-dir", str(adapter), "--out", str(merged))
+    from tessera.cli import main
+
+    assert main(["export", str(step), "--hf-dir", str(out), "--adapter-dir", str(adapter), "--out", str(merged)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(str(out))
     assert (out / "chat_template.jinja").read_text() == TEMPLATE  # every tokenizer file travelled with it
     tokenizer = AutoTokenizer.from_pretrained(str(out))

@@ -137,7 +137,9 @@ def test_pretrained_lora_checkpoints_the_adapters_alone_resumes_them_and_exports
     for name, value in straight.items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
-    cli("export", str(step), "--hf-dir", str(tmp_path / "out"))
+    from tessera.cli import main
+
+    assert main(["export", str(step), "--hf-dir", str(tmp_path / "out")]) == 0  # in this process: no start-up
     exported = {}
     for file in (tmp_path / "out").glob("*.safetensors"):
         exported.update(load_file(str(file)))

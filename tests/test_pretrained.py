@@ -164,7 +164,10 @@ def test_tessera_train_loads_a_pretrained_directory_and_exports_it_back(tmp_path
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     cli("train", str(tmp_path / "ft.yaml"), "--nproc", "2")
-    cli("export", str(tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"), "--hf-dir", str(tmp_path / "out"))
+    from tessera.cli import main
+
+    step = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    assert main(["export", str(step), "--hf-dir", str(tmp_path / "out")]) == 0  # in this process: no start-up
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     x = torch.randint(0, 260, (2, 16))
     assert torch.equal(exported(x).logits, original(x).logits)
