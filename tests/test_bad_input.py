@@ -170,7 +170,7 @@ def test_every_field_of_the_plan_is_a_config_key_and_arrives() -> None:
 
     rich = tessera.Plan(
         dp=2, tp=2, pp=2, sp=2, ep=2, sp_mode="split_gather", zero=1, offload=True, precision="bf16", dp_shares=(3, 1),
-        expert_shares=(3, 1),
+        expert_shares=(3, 1), compile="blocks",
         pipeline={"stages": [[0, 1], [1, 2]], "microbatches": 4, "schedule": "gpipe"}, recompute="full",
         loss_parallel=True, device="cpu", rank_devices=("a",) * 16, placement=tuple(range(16)),
     )  # fmt: skip
