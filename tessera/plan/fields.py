@@ -68,8 +68,8 @@ class Plan:
         compile: ``"none"`` (eager) or ``"blocks"``: each repeated block's forward compiled on its own with
             ``torch.compile`` (regional compilation: one compilation serves every block of a type, so
             compile time does not grow with depth), after tensor parallelism and recompute, before data
-            parallelism. For now with DDP and ZeRO-1/2/3 (offload too) in fp32; other layouts are refused
-            by name.
+            parallelism. For now with DDP and ZeRO-1/2/3 (offload too) in fp32 or bf16; other layouts and
+            fp16 are refused by name.
         loss_parallel: with tp, keep the logits split over the vocabulary (a DTensor) and compute
             the cross-entropy on the shards under ``booster.loss_parallel()``: full logits are
             never gathered.
@@ -313,7 +313,7 @@ class Plan:
             self._check_compilable()
 
     def _check_compilable(self) -> None:
-        """Compiled blocks run (and are tested for parity) with DDP and ZeRO-1/2/3 in fp32 so far."""
+        """Compiled blocks run (and are tested for parity) with DDP and ZeRO-1/2/3 in fp32 and bf16 so far."""
         unsupported = {
             "tp": self.tp > 1,
             "sp": self.sp > 1,
@@ -321,13 +321,13 @@ class Plan:
             "ep": self.ep > 1,
             "replicas": self.replicas is not None,
             "groups": self.groups is not None,
-            "precision": self.precision != "fp32",
+            "precision": self.precision == "fp16",
         }
         other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
         if other:
             raise NotSupportedYet(
                 f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
-                "with DDP and ZeRO-1/2/3 (offload too) in fp32 for now; use compile='none' for the others."
+                "with DDP and ZeRO-1/2/3 (offload too) in fp32 or bf16 for now; use compile='none' for the others."
             )
 
     # ----------------------------------------------------------- rank arithmetic (tessera.plan.grid)
