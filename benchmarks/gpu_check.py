@@ -2,9 +2,10 @@
 
 1. **Step time and MFU**, bf16, a ~1 B-parameter Llama (dim 2048, 16 layers, seq 2048, batch 4)
    on one GPU: Tessera (``ZeRO(stage=3, precision="bf16")``, FSDP2 underneath) against plain
-   PyTorch FSDP2 with the same mixed-precision policy, eager and with every block compiled.
-   Interleaved: each repetition runs every system once on a fresh model. MFU = 6 × parameters ×
-   tokens per second / the device's bf16 dense peak (from the catalogue).
+   PyTorch FSDP2 with the same mixed-precision policy, each eager and with every block compiled
+   (Tessera: ``Plan(compile="blocks")``). Interleaved: each repetition runs every system once on a
+   fresh model. MFU = (6 × parameters + 12 × layers × dim × seq) × tokens per second / the device's
+   bf16 dense peak (from the catalogue): the weights' FLOPs and attention's (PaLM, appendix B).
 2. **CPU offload parity on CUDA** (offload moves nothing on CPU, so only here is it tested):
    ``ZeRO(stage=3, offload=True)`` against ``ZeRO(stage=3)`` on a small model, a few fp32 steps:
    losses within 1e-5 relative, and the offloaded parameters' shards really live on the host.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 BIG = {"dim": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 5632, "vocab_size": 32000}
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 256}
-SYSTEMS = ("tessera-zero3", "torch-fsdp2", "torch-fsdp2-compiled")
+SYSTEMS = ("tessera-zero3", "tessera-zero3-compiled", "torch-fsdp2", "torch-fsdp2-compiled")
 
 
 def llama(shape: dict, seq: int, device: torch.device | None = None) -> torch.nn.Module:
@@ -65,8 +67,9 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
 
     model = llama(shape, seq, device)
     data = batches(shape, batch, seq, device, steps + 2)
-    if name == "tessera-zero3":
-        booster = tessera.Booster(tessera.ZeRO(stage=3, precision=dtype))
+    if name.startswith("tessera-zero3"):
+        compiled = "blocks" if name.endswith("compiled") else "none"  # tiny mode: TESSERA_COMPILE_BACKEND=eager
+        booster = tessera.Booster(tessera.Plan(zero=3, precision=dtype, compile=compiled))
         model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
         def step(tokens: torch.Tensor) -> None:
@@ -116,6 +119,7 @@ def step_times(
     """Every system's median step over ``reps`` interleaved repetitions; no new repetition starts after
     ``deadline`` (time.monotonic()), and ``progress`` gets the figures so far after every run."""
     params = sum(p.numel() for p in llama(shape, seq, torch.device("meta")).parameters())
+    per_token = 6 * params + 12 * shape["n_layers"] * shape["dim"] * seq  # weights and attention
     runs: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     errors: dict[str, str] = {}
     for rep in range(reps):
@@ -133,23 +137,27 @@ def step_times(
                 if device.type == "cuda":
                     torch.cuda.empty_cache()  # the last system's model is gone: hand its memory back
             print(f"rep {rep} {name:22s} {runs[name][-1]:.4f} s/step", flush=True)
-            progress({**summarise(runs, params, batch * seq, device, dtype), "errors": errors})
-    return {**summarise(runs, params, batch * seq, device, dtype), "errors": errors}
+            progress({**summarise(runs, params, per_token, batch * seq, device, dtype), "errors": errors})
+    return {**summarise(runs, params, per_token, batch * seq, device, dtype), "errors": errors}
 
 
-def summarise(runs: dict[str, list[float]], params: int, batch_seq: int, device: torch.device, dtype: str) -> dict:
-    """Medians, TFLOP/s, MFU and ratios to plain FSDP2 of the runs so far."""
+def summarise(
+    runs: dict[str, list[float]], params: int, per_token: float, batch_seq: int, device: torch.device, dtype: str
+) -> dict:
+    """Medians, TFLOP/s (``per_token`` training FLOPs a token, attention counted), MFU and ratios to plain FSDP2
+    (eager and compiled) of the runs so far."""
     from tessera.cluster.catalog import CATALOG
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     entry = next((t for key, t in CATALOG.items() if key.split("-")[0] in name), None)
     peak = entry.peak(dtype) if entry is not None else None
-    out = {"device": name, "params": params, "tokens_per_step": batch_seq, "peak_tflops": peak, "systems": {}}
+    out = {"device": name, "params": params, "flops_per_token": per_token, "tokens_per_step": batch_seq,
+           "peak_tflops": peak, "systems": {}}  # fmt: skip
     for system, times in runs.items():
         if not times:
             continue
         step = statistics.median(times)
-        tflops = 6 * params * batch_seq / step / 1e12
+        tflops = per_token * batch_seq / step / 1e12
         out["systems"][system] = {
             "step_s": step,
             "runs_s": times,
@@ -157,8 +165,10 @@ def summarise(runs: dict[str, list[float]], params: int, batch_seq: int, device:
             "mfu": tflops / peak if peak else None,
         }
     base = out["systems"].get("torch-fsdp2", {}).get("step_s")
+    compiled = out["systems"].get("torch-fsdp2-compiled", {}).get("step_s")
     for row in out["systems"].values():
         row["step_over_torch_fsdp2"] = row["step_s"] / base if base else None
+        row["step_over_torch_fsdp2_compiled"] = row["step_s"] / compiled if compiled else None
     return out
 
 
@@ -224,6 +234,8 @@ def main() -> None:
     shape, seq, batch = (BIG, 2048, 4) if cuda else (TINY, 32, 2)
     reps, steps = args.reps or (3 if cuda else 1), args.steps or (6 if cuda else 2)
     dtype = "bf16" if cuda else "fp32"
+    if not cuda:  # tiny mode: dynamo's tracing without code generation (inductor on CPU takes minutes cold)
+        os.environ.setdefault("TESSERA_COMPILE_BACKEND", "eager")
     start = time.monotonic()
     out: dict[str, Any] = {
         "mode": "gpu" if cuda else "tiny cpu (figures mean nothing)",
@@ -250,8 +262,9 @@ def main() -> None:
     for system, row in out["step_time"]["systems"].items():
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
         ratio = f"x{row['step_over_torch_fsdp2']:.2f}" if row["step_over_torch_fsdp2"] else "n/a"
+        compiled = row["step_over_torch_fsdp2_compiled"]
         print(f"{system:22s} {row['step_s']:.4f} s/step  {row['tflops']:.1f} TFLOP/s  MFU {mfu}  "
-              f"{ratio} of torch-fsdp2")  # fmt: skip
+              f"step {ratio} of torch-fsdp2's, x{compiled or float('nan'):.2f} of torch-fsdp2-compiled's")  # fmt: skip
     print(f"one {dtype} matrix product: {out['matmul_tflops']:.1f} TFLOP/s")
     parity = out["offload_parity"]
     if "error" in parity:

@@ -12,12 +12,17 @@ data parallelism.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.errors import PlanError
+
+# The torch.compile backend (inductor unless set): "aot_eager" tells a compiler bug from a graph problem, and
+# "eager" (dynamo's tracing alone) lets the GPU script's CPU mode run without minutes of C++ compilation.
+BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
 
 
 def apply_compile(blocks: list[nn.Module], mode: str) -> None:
@@ -29,8 +34,9 @@ def apply_compile(blocks: list[nn.Module], mode: str) -> None:
             'Plan.compile="blocks" found no transformer blocks (an nn.ModuleList of same-typed modules) in this '
             'model: use compile="none".'
         )
+    backend = os.environ.get(BACKEND_ENV, "inductor")
     for block in blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True)  # type: ignore[method-assign]
+        block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)  # type: ignore[method-assign]
 
 
 def compile_counts() -> dict[str, Any]:
