@@ -33,7 +33,7 @@ def test_results_come_back_in_rank_order() -> None:
 def test_a_missing_rank_times_out_with_a_message() -> None:
     start = time.monotonic()
     with pytest.raises((TimeoutError, RuntimeError), match="rank"):
-        run_ranks(rank_one_never_arrives, 2, timeout_s=8)
+        run_ranks(rank_one_never_arrives, 2, timeout_s=4)  # started from the forkserver, ranks are up in about a second
     assert time.monotonic() - start < 30
 
 
