@@ -24,10 +24,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
-# What each needs installed (a module to find) and the pip extra that brings it.
-MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-
 
 class Tracker(Protocol):
     def log(self, scalars: dict[str, float], step: int) -> None: ...
@@ -36,8 +32,8 @@ class Tracker(Protocol):
 
 
 def installed(name: str) -> bool:
-    """Whether tracker ``name``'s library can be imported here."""
-    return find_spec(MODULES[name]) is not None
+    """Whether tracker ``name``'s library (a module of that name; the pip extra too) can be imported here."""
+    return find_spec(name) is not None
 
 
 def chosen(trackers: list[str] | None, tensorboard: bool) -> list[str]:

@@ -58,8 +58,7 @@ class RecompileWatch:
     def __init__(self, storm_reports: int = 3) -> None:
         self.storm_reports = storm_reports
         start = compile_counts()  # (counters are the process's: another run may have compiled before)
-        self.last, self.start_s = start["graphs"], start["seconds"]
-        self.graphs, self.seconds = 0, 0.0
+        self.start, self.last = start, start["graphs"]
         self.reports = 0  # reports in a row that compiled something
         self.first = True
 
@@ -68,8 +67,7 @@ class RecompileWatch:
         graphs so far) and a warning, once, when recompilations keep coming."""
         counts = compile_counts()
         new, self.last = counts["graphs"] - self.last, counts["graphs"]
-        self.graphs += new
-        self.seconds = seconds = counts["seconds"] - self.start_s
+        seconds = counts["seconds"] - self.start["seconds"]
         warning = None
         if self.first:  # the first report holds the first compilation
             self.first = False
@@ -85,3 +83,13 @@ class RecompileWatch:
         else:
             self.reports = 0
         return {"compile_s": seconds, "compiled_graphs": self.graphs}, warning
+
+    @property
+    def graphs(self) -> int:
+        """Graphs this run compiled up to its last report."""
+        return self.last - self.start["graphs"]
+
+    @property
+    def seconds(self) -> float:
+        """Seconds this run spent compiling (read now)."""
+        return compile_counts()["seconds"] - self.start["seconds"]
