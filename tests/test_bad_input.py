@@ -122,26 +122,44 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return config
 
 
-def test_checkpoint_of_another_model_is_refused(trained_run: Path) -> None:
-    runs = trained_run.parent / "runs"
-    before = _tree_digest(runs)
-    proc = _launch(trained_run, "model.dim=64", "train.steps=3")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("tessera: error:") and "Traceback" not in proc.stderr, proc.stderr
-    assert "different model" in proc.stderr and "checkpoint (32,) vs model (64,)" in proc.stderr, proc.stderr
-    assert _tree_digest(runs) == before, "a failed load changed files"
+def _refused_before_launch(config: Path, capsys: pytest.CaptureFixture, *sets: str) -> str:
+    """``tessera train`` on ``config`` refuses in one paragraph, writing nothing: its error."""
+    runs = config.parent / "runs"
+    before, files = _tree_digest(runs), sorted(runs.rglob("*"))
+    code = main(["train", str(config), "--nproc", "2", *(f"--set={s}" for s in sets)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("tessera: error:") and "Traceback" not in err and "\n\n" not in err, err
+    assert _tree_digest(runs) == before, "a refused resume changed files"
+    assert sorted(runs.rglob("*")) == files, "ranks were launched (they wrote a failure log)"
+    return err
 
 
-def test_corrupted_checkpoint_is_refused(trained_run: Path) -> None:
-    runs = trained_run.parent / "runs"
-    shard = next((runs / "bad" / "checkpoints").rglob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated on disk
-    before = _tree_digest(runs)
-    proc = _launch(trained_run, "train.steps=3")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("tessera: error:") and "Traceback" not in proc.stderr, proc.stderr
-    assert "could not be read" in proc.stderr or "corrupted" in proc.stderr, proc.stderr
-    assert _tree_digest(runs) == before
+def test_checkpoint_of_another_model_is_refused_before_launch(trained_run: Path, capsys) -> None:
+    """Its shapes are read from the checkpoint's metadata against the model built on meta: no rank starts."""
+    err = _refused_before_launch(trained_run, capsys, "model.dim=64", "train.steps=3")
+    assert "different model" in err and "checkpoint (32,) vs model (64,)" in err, err
+
+
+def test_truncated_checkpoint_is_refused_before_launch(trained_run: Path, capsys) -> None:
+    """A shard cut short is found from its size against the metadata's offsets, naming the file; the ranks
+    check the same before they read (a checkpoint cut short after the launch checked it)."""
+    from tessera.checkpoint import CheckpointError, latest_checkpoint
+    from tessera.checkpoint.load import check_complete
+
+    newest = latest_checkpoint(trained_run.parent / "runs" / "bad" / "checkpoints")
+    assert newest is not None
+    check_complete(newest)  # whole, as saved
+    shard = max(newest.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:100])  # truncated on disk
+    try:
+        err = _refused_before_launch(trained_run, capsys, "train.steps=3")
+        assert "corrupted or incomplete" in err and shard.name in err and "holds 100 bytes" in err, err
+        with pytest.raises(CheckpointError, match=shard.name):
+            check_complete(newest)
+    finally:
+        shard.write_bytes(whole)  # the tests below copy this checkpoint
 
 
 def test_shipped_example_configs_validate(tmp_path: Path) -> None:
@@ -219,27 +237,33 @@ class _RunsCode:
         return (Path.touch, (self.marker,))
 
 
-def resume_from(checkpoint: str) -> None:
-    """Rebuild the trained run's model and optimizer, then load ``checkpoint`` into them."""
+def resume_from(checkpoint: str, refusals: list[tuple[str, int, str]]) -> None:
+    """Rebuild the trained run's model and optimizer, then load ``checkpoint`` into them; first, each of
+    ``refusals`` (a checkpoint, the model dim to build, the error expected) must be refused by the ranks."""
     import torch
 
     import tessera
-    from tessera.checkpoint import load_checkpoint
+    from tessera.checkpoint import CheckpointError, load_checkpoint
     from tessera.config import parse_config
     from tessera.models.build import build_model
     from tessera.train.optimizer import build_optimizer
 
-    cfg = parse_config(with_change("logging.out_dir", "unused"))
-    model = build_model(cfg)
-    booster = tessera.Booster(tessera.Plan(zero=2))
-    model, optimizer = booster.boost(model, build_optimizer(cfg, model.parameters()))
-    load_checkpoint(checkpoint, model, optimizer)
+    def boosted(dim: int):
+        cfg = parse_config({**with_change("logging.out_dir", "unused"), "model": {**GOOD["model"], "dim": dim}})
+        model = build_model(cfg)
+        return tessera.Booster(tessera.Plan(zero=2)).boost(model, build_optimizer(cfg, model.parameters()))
+
+    for path, dim, needle in refusals:
+        with pytest.raises(CheckpointError, match=needle):
+            load_checkpoint(path, *boosted(dim))
+    load_checkpoint(checkpoint, *boosted(32))
     torch.distributed.barrier()
 
 
-def test_a_checkpoint_that_would_run_code_is_refused(trained_run: Path, tmp_path: Path) -> None:
-    """A crafted trainer.pt (a pickle whose loading runs code) is refused on resume; the code never runs.
-    (The rank's CheckpointError reaching the user as one paragraph is shown by the launches above.)"""
+def test_checkpoints_the_ranks_refuse(trained_run: Path, tmp_path: Path) -> None:
+    """What the ranks themselves refuse (a checkpoint may change after the launch checked it): another
+    model's, one with a shard cut short, and a crafted trainer.pt (a pickle whose loading runs code), whose
+    code never runs."""
     import shutil
 
     import torch
@@ -247,12 +271,17 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained_run: Path, tmp_path
     from tessera.testing import run_ranks
 
     newest = sorted((trained_run.parent / "runs" / "bad" / "checkpoints").iterdir())[-1]
-    crafted = tmp_path / newest.name
+    crafted, truncated = tmp_path / "crafted", tmp_path / "truncated"
     shutil.copytree(newest, crafted)
+    shutil.copytree(newest, truncated)
+    shard = max(truncated.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
     marker = tmp_path / "code-ran"
     torch.save({"step": _RunsCode(marker)}, crafted / "trainer.pt")
+    refusals = [(str(newest), 64, r"different model.*checkpoint \(32,\) vs model \(64,\)"), (str(truncated), 32,
+                f"{shard.name}' holds 100 bytes")]  # fmt: skip
     with pytest.raises(RuntimeError, match="not plain data") as info:
-        run_ranks(resume_from, 2, str(crafted))
+        run_ranks(resume_from, 2, str(crafted), refusals)
     assert "trainer.pt" in str(info.value) and "CheckpointError" in str(info.value)
     assert not marker.exists(), "loading the checkpoint ran the planted code"
     torch.load(crafted / "trainer.pt", weights_only=False)  # the planted file does run code when unpickled

@@ -48,6 +48,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     layout.update({name: part.state_to_load(saved[name]) for name, part in parts.items() if name in saved})
     _check_same_model(folder, metadata, layout["model"])
     trainer_state = read_data(path / "trainer.pt")  # small and checked first: an unsafe file stops everything
+    check_complete(folder)  # a truncated or missing shard is named before DCP reads any of it
     state = to_storable(layout)
     try:
         reader = DataOnlyReader(str(folder))
@@ -88,13 +89,54 @@ def _read_metadata(path: Path) -> Any:
         ) from None
 
 
-def _check_same_model(path: Path, metadata: Any, expected: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose parameter names or shapes differ: list every mismatch."""
-    saved = {
+def check_complete(path: str | Path) -> None:
+    """Refuse a checkpoint a shard of which is missing or shorter than its metadata says (a copy cut short,
+    a disk that filled): every folder under ``path`` holding DCP state is checked, reading only sizes."""
+    for meta_file in sorted(Path(path).rglob(".metadata")):
+        folder = meta_file.parent
+        needed: dict[str, int] = {}  # each shard file's bytes, as far as the metadata reaches into it
+        storage = _read_metadata(folder).storage_data or {}
+        for info in storage.values():
+            file = str(getattr(info, "relative_path", ""))
+            needed[file] = max(needed.get(file, 0), int(info.offset) + int(info.length))
+        for file, size in sorted(needed.items()):
+            shard = folder / file
+            have = shard.stat().st_size if shard.is_file() else None
+            if have is None or have < size:
+                found = "is missing" if have is None else f"holds {have:,} bytes where its metadata needs {size:,}"
+                raise CheckpointError(
+                    f"checkpoint '{path}' is corrupted or incomplete: '{shard}' {found} (a copy cut short or a full "
+                    "disk?). Resume from an earlier checkpoint (move this one away), or start fresh with --overwrite."
+                )
+
+
+def check_model_shapes(path: str | Path, model: nn.Module) -> None:
+    """Refuse a checkpoint at ``path`` of a model other than ``model`` (built on meta: names and shapes
+    only), before any rank starts: a parameter both hold with another shape, or no name in common. (Names
+    only one side holds are the ranks' to judge, where the layout and LoRA's frozen weights are known.)"""
+    saved = _model_shapes(_read_metadata(Path(path)))
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    common = sorted(saved.keys() & want.keys())
+    differ = [f"shape of {k}: checkpoint {saved[k]} vs model {want[k]}" for k in common if saved[k] != want[k]]
+    if saved and not common:
+        differ = [f"no parameter name in common (the checkpoint's first: {sorted(saved)[0]})"]
+    if differ:
+        shown = "; ".join(differ[:12]) + (f"; and {len(differ) - 12} more" if len(differ) > 12 else "")
+        raise CheckpointError(f"checkpoint '{path}' belongs to a different model: {shown}. Nothing was loaded.")
+
+
+def _model_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
+    """The model's parameter names and whole shapes in a checkpoint's DCP metadata."""
+    return {
         k[len("model.") :]: tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and hasattr(v, "size")
     }
+
+
+def _check_same_model(path: Path, metadata: Any, expected: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose parameter names or shapes differ: list every mismatch."""
+    saved = _model_shapes(metadata)
     # Pipeline stages each hold part of the model: compare with the union over every rank.
     mine = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
     parts: list[dict[str, tuple[int, ...]]] = [{} for _ in range(dist.get_world_size())]

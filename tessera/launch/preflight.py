@@ -4,7 +4,8 @@ A mistake found here costs the user a second, not a launch: the config (parsed o
 (resolved once, into the jobs the launch starts), the batch split, the corpus, the model's size and
 vocabulary (from its description, :mod:`tessera.models.described`), the plan's tp, sp and pp against the
 model's shapes (on the model built on the meta device, only for such a plan: :mod:`tessera.models.fits`),
-a memory estimate against this machine, the output directory and the run directory's owner.
+a memory estimate against this machine, the output directory and the run directory's owner, and the
+checkpoint a resume would load (its trainer state, its model's shapes, its shards whole).
 
 What the ranks would otherwise compute again is handed on: instruction records, tokenized here to name a
 bad one before launch, are written to a file the ranks read (:meth:`Checked.handed`).
@@ -22,7 +23,7 @@ from typing import Any
 
 from tessera import trackers
 from tessera.checkpoint import latest_checkpoint
-from tessera.checkpoint.readers import read_trainer_state
+from tessera.checkpoint.readers import read_meta, read_trainer_state
 from tessera.config import Config, ConfigError, load_config, plan_from_config, planned_world_size
 from tessera.data.held_out import check_held_out
 from tessera.data.hf_dataset import dataset_data
@@ -221,6 +222,23 @@ def _check_run_directory(cfg: Config, overwrite: bool) -> None:
         if (latest := latest_checkpoint(cfg.run_dir / "checkpoints")) is not None:
             check_base_of(latest, cfg.model.pretrained)  # LoRA adapters alone: the base they were trained on
             read_trainer_state(latest)  # what the resume reads first, checked before launch
+            _check_checkpoint(cfg, latest)
+
+
+def _check_checkpoint(cfg: Config, latest: Path) -> None:
+    """The checkpoint a resume would load, against this config's model (names and shapes, on the model
+    built on meta) and against its own metadata (every shard there and whole), reading only metadata and
+    file sizes."""
+    import torch
+
+    from tessera.checkpoint.load import check_complete, check_model_shapes
+    from tessera.models.build import build_model
+
+    if read_meta(latest).get("groups") is None:  # (groups' weights are per group: the group's job checks them)
+        with torch.device("meta"):
+            model = build_model(cfg, weights=False)
+        check_model_shapes(latest, model)
+    check_complete(latest)
 
 
 def _check_shapes(cfg: Config, plans: list[Plan]) -> None:
