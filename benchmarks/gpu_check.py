@@ -3,8 +3,9 @@
 1. **Step time and MFU**, bf16, a ~1 B-parameter Llama (dim 2048, 16 layers, seq 2048, batch 4)
    on one GPU: Tessera (``ZeRO(stage=3, precision="bf16")``, FSDP2 underneath) against plain
    PyTorch FSDP2 with the same mixed-precision policy, each eager and with every block compiled
-   (Tessera: ``Plan(compile="blocks")``). Interleaved: each repetition runs every system once on a
-   fresh model. MFU = (6 × parameters + 12 × layers × dim × seq) × tokens per second / the device's
+   (Tessera: ``Plan(compile="blocks")``), and compiled with FP8 (Tessera: ``precision="fp8"``; FSDP2:
+   torchao's float8 linears in the blocks, weights gathered in float8, as torchtitan does it; MFU still
+   against the bf16 peak). Interleaved: each repetition runs every system once on a fresh model. MFU = (6 × parameters + 12 × layers × dim × seq) × tokens per second / the device's
    bf16 dense peak (from the catalogue): the weights' FLOPs and attention's (PaLM, appendix B).
 2. **CPU offload parity on CUDA** (offload moves nothing on CPU, so only here is it tested):
    ``ZeRO(stage=3, offload=True)`` against ``ZeRO(stage=3)`` on a small model, a few fp32 steps:
@@ -33,7 +34,14 @@ import torch.nn.functional as F
 
 BIG = {"dim": 2048, "n_layers": 16, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 5632, "vocab_size": 32000}
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 256}
-SYSTEMS = ("tessera-zero3", "tessera-zero3-compiled", "torch-fsdp2", "torch-fsdp2-compiled")
+SYSTEMS = (
+    "tessera-zero3",
+    "tessera-zero3-compiled",
+    "tessera-zero3-compiled-fp8",
+    "torch-fsdp2",
+    "torch-fsdp2-compiled",
+    "torch-fsdp2-compiled-fp8",
+)
 
 
 def llama(shape: dict, seq: int, device: torch.device | None = None) -> torch.nn.Module:
@@ -67,9 +75,11 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
 
     model = llama(shape, seq, device)
     data = batches(shape, batch, seq, device, steps + 2)
+    fp8 = name.endswith("fp8")  # bf16 around the blocks' float8 linears (emulated in tiny mode)
     if name.startswith("tessera-zero3"):
-        compiled = "blocks" if name.endswith("compiled") else "none"  # tiny mode: TESSERA_COMPILE_BACKEND=eager
-        booster = tessera.Booster(tessera.Plan(zero=3, precision=dtype, compile=compiled))
+        compiled = "blocks" if "compiled" in name else "none"  # tiny mode: TESSERA_COMPILE_BACKEND=eager
+        precision = {"precision": "fp8", "fp8_emulate": device.type != "cuda"} if fp8 else {"precision": dtype}
+        booster = tessera.Booster(tessera.Plan(zero=3, compile=compiled, **precision))
         model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
         def step(tokens: torch.Tensor) -> None:
@@ -80,10 +90,16 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        low = torch.bfloat16 if fp8 else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        if fp8:  # torchtitan's recipe by hand: torchao float8 linears in the blocks, weights gathered in float8
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=device.type != "cuda")
+            for block in model.layers:
+                convert_to_float8_training(block, config=config)
         for block in model.layers:
-            if name.endswith("compiled"):  # tiny mode: dynamo's tracing without code generation, for speed
+            if "compiled" in name:  # tiny mode: dynamo's tracing without code generation, for speed
                 block.compile(backend="inductor" if device.type == "cuda" else "eager")
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)

@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", help="a live profile (tessera cluster profile): plan from measured speeds and links")
     plan.add_argument(
         "--precision",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=("auto", "fp32", "bf16", "fp16", "fp8"),
         help="compute precision (default: the config's plan.precision); bf16 or auto beside devices without "
-        "bf16 plans fp16 with loss scaling",
+        "bf16 plans fp16 with loss scaling; fp8 only on devices with an fp8 figure",
     )
     plan.add_argument(
         "--pin-precision", action="store_true", help="keep the precision as asked: refuse devices without it"

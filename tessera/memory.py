@@ -45,10 +45,20 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _plain(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The plain tensors that hold ``t``'s data: ``t`` itself, or the inner tensors of a wrapper subclass
+    (torchao's float8 weights under FSDP2), which has no storage of its own."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not hasattr(t, "__tensor_flatten__"):
+        yield t
+        return
+    for name in t.__tensor_flatten__()[0]:
+        yield from _plain(getattr(t, name))
+
+
 def _bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
     """Bytes of the storages behind ``tensors``, each storage counted once across calls."""
     total = 0
-    for t in tensors:
+    for t in (plain for tensor in tensors for plain in _plain(tensor)):
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if storage.nbytes() == 0 or key in seen:

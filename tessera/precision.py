@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from tessera.distributed import local
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The dtype each precision computes in outside float8 matmuls (fp8: bf16 around the blocks' float8 linears)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class DynamicLossScaler:

@@ -49,7 +49,8 @@ CASES = [
     ("missing-data-path", with_change("data.paths", ["/nonexistent/corpus.txt"]), [], "/nonexistent/corpus.txt"),
     ("glob-matches-nothing", with_change("data.paths", ["/nonexistent/*.txt"]), [], "matches no file"),
     ("empty-corpus", "EMPTY_CORPUS", [], "too few"),
-    ("bad-precision", with_change("plan.precision", "fp8"), [], "plan.precision"),
+    ("bad-precision", with_change("plan.precision", "fp4"), [], "plan.precision"),
+    ("fp8-on-cpu", with_change("plan.precision", "fp8"), [], "plan.fp8_emulate: true"),
     ("zero-stage-5", with_change("plan.zero", 5), [], "plan.zero"),
     ("shares-count", with_change("plan.dp_shares", [1, 1, 1]), [], "dp_shares"),
     ("shares-zero", with_change("plan.dp_shares", [1, 0]), [], "dp_shares"),
@@ -187,7 +188,8 @@ def test_every_field_of_the_plan_is_a_config_key_and_arrives() -> None:
     from tessera.config import parse_config, plan_from_config
 
     rich = tessera.Plan(
-        dp=2, tp=2, pp=2, sp=2, ep=2, sp_mode="split_gather", zero=1, offload=True, precision="bf16", dp_shares=(3, 1),
+        dp=2, tp=2, pp=2, sp=2, ep=2, sp_mode="split_gather", zero=1, offload=True, precision="fp8",
+        fp8_recipe="rowwise", fp8_emulate=True, dp_shares=(3, 1),
         expert_shares=(3, 1), compile="blocks",
         pipeline={"stages": [[0, 1], [1, 2]], "microbatches": 4, "schedule": "gpipe"}, recompute="full",
         loss_parallel=True, device="cpu", rank_devices=("a",) * 16, placement=tuple(range(16)),

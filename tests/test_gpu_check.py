@@ -19,7 +19,8 @@ def test_the_gpu_check_runs_in_its_tiny_cpu_mode(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["mode"].startswith("tiny cpu")
     systems = result["step_time"]["systems"]
-    assert set(systems) == {"tessera-zero3", "tessera-zero3-compiled", "torch-fsdp2", "torch-fsdp2-compiled"}
+    assert set(systems) == {"tessera-zero3", "tessera-zero3-compiled", "tessera-zero3-compiled-fp8", "torch-fsdp2",
+                            "torch-fsdp2-compiled", "torch-fsdp2-compiled-fp8"}  # fmt: skip
     assert all(row["step_s"] > 0 and row["tflops"] > 0 for row in systems.values())
     parity = result["offload_parity"]
     # On CPU offload moves nothing, but the two runs must still train alike.

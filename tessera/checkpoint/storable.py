@@ -31,9 +31,11 @@ def storable(placements: tuple) -> tuple | None:
 
 
 def to_storable(tree: Any) -> Any:
-    """``tree`` with every DTensor DCP cannot store redistributed to placements it can (a copy)."""
+    """``tree`` with every DTensor DCP cannot store redistributed to placements it can (a copy), and every
+    weight that a wrapper subclass holds (:func:`unwrapped`) as its plain data."""
 
     def stored(t: torch.Tensor) -> torch.Tensor:
+        t = unwrapped(t)
         placements = storable(t.placements) if isinstance(t, DTensor) else None
         return t.redistribute(placements=placements) if placements is not None else t
 
@@ -49,3 +51,20 @@ def from_storable(loaded: Any, like: Any) -> Any:
     if isinstance(loaded, DTensor) and isinstance(like, DTensor) and loaded.placements != like.placements:
         return loaded.redistribute(placements=like.placements)
     return loaded
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """A weight held by a wrapper subclass around one tensor of its own shape and dtype (torchao's float8
+    training weights: bf16 or fp32 data that FSDP2 gathers in float8) as that plain tensor, sharing its
+    storage (a load into it fills the weight); DCP would pickle the wrapper as an object, which a reader
+    of data alone refuses and a layout without FP8 cannot take. Other tensors as they are."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if type(local) in (torch.Tensor, torch.nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return t
+    names = local.__tensor_flatten__()[0]
+    inner = getattr(local, names[0]) if len(names) == 1 else None
+    if not isinstance(inner, torch.Tensor) or inner.shape != local.shape or inner.dtype != local.dtype:
+        return t
+    if isinstance(t, DTensor):
+        return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
+    return inner

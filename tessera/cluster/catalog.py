@@ -1,7 +1,8 @@
 """Datasheet figures of common device types, so a cluster file can say ``type: A100-80GB`` and nothing else.
 
 Peaks are dense (no structured sparsity) tensor-core TFLOP/s per dtype, as the vendors publish
-them; ``fp32`` is the plain (non-TF32) figure. ``memory_gib`` is what a framework sees (the
+them; ``fp32`` is the plain (non-TF32) figure; ``fp8`` only where the device has FP8 tensor cores (Ada,
+Hopper), with fp32 accumulation. ``memory_gib`` is what a framework sees (the
 "80 GB" of an A100 is 79.2 GiB), ``bandwidth_gbs`` the memory bandwidth in GB/s. A dtype a
 device has no fast path for (bf16 on T4 and V100) is absent: a plan asking for it is refused.
 
@@ -20,7 +21,7 @@ class DeviceType:
     """One kind of accelerator: peak TFLOP/s per dtype, memory and memory bandwidth."""
 
     name: str
-    peak_tflops: dict[str, float] = field(default_factory=dict)  # dtype ("fp32", "bf16", "fp16") -> TFLOP/s
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # dtype ("fp32", "bf16", "fp16", "fp8") -> TFLOP/s
     memory_gib: float = 0.0
     bandwidth_gbs: float = 0.0
     # Memory speed of the host an offloaded optimizer steps on (None: the planner's default host).
@@ -36,27 +37,37 @@ class DeviceType:
         return self.peak_tflops.get(dtype)
 
 
-def _dev(name: str, fp32: float, half: float | None, memory_gib: float, bandwidth_gbs: float, bf16: bool = True):
+def _dev(
+    name: str,
+    fp32: float,
+    half: float | None,
+    memory_gib: float,
+    bandwidth_gbs: float,
+    bf16: bool = True,
+    fp8: float | None = None,
+) -> DeviceType:
     peaks = {"fp32": fp32}
     if half is not None:
         peaks["fp16"] = half
         if bf16:
             peaks["bf16"] = half
+    if fp8 is not None:
+        peaks["fp8"] = fp8
     return DeviceType(name, peaks, memory_gib, bandwidth_gbs)
 
 
 CATALOG: dict[str, DeviceType] = {
     d.name: d
     for d in (
-        _dev("H100", 67.0, 989.0, 79.6, 3350.0),  # SXM5 80 GB
-        _dev("H200", 67.0, 989.0, 139.8, 4800.0),  # SXM 141 GB
+        _dev("H100", 67.0, 989.0, 79.6, 3350.0, fp8=1979.0),  # SXM5 80 GB
+        _dev("H200", 67.0, 989.0, 139.8, 4800.0, fp8=1979.0),  # SXM 141 GB
         _dev("A100-80GB", 19.5, 312.0, 79.2, 2039.0),  # SXM4
         _dev("A100-40GB", 19.5, 312.0, 39.4, 1555.0),  # SXM4
         _dev("A10", 31.2, 125.0, 22.1, 600.0),
-        _dev("L4", 30.3, 121.0, 22.0, 300.0),
+        _dev("L4", 30.3, 121.0, 22.0, 300.0, fp8=242.5),
         _dev("T4", 8.1, 65.0, 14.7, 320.0, bf16=False),
         _dev("V100", 15.7, 125.0, 31.7, 900.0, bf16=False),  # SXM2 32 GB
-        _dev("RTX4090", 82.6, 165.2, 23.6, 1008.0),  # fp16/bf16 with fp32 accumulation
+        _dev("RTX4090", 82.6, 165.2, 23.6, 1008.0, fp8=330.3),  # fp16/bf16/fp8 with fp32 accumulation
         _dev("RTX3090", 35.6, 71.0, 23.6, 936.0),
         _dev("A6000", 38.7, 154.8, 47.5, 768.0),  # RTX A6000
         _dev("MI250X", 23.9, 191.5, 64.0, 1638.0),  # one GCD (half a package)

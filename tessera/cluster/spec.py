@@ -51,7 +51,7 @@ from tessera.cluster.catalog import CATALOG, DeviceType, lookup
 from tessera.errors import ClusterError, nearest
 from tessera.inputs import InputError, load_yaml_file, shown
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
 
 
 # The share of a device's memory a plan may fill: allocator fragmentation and the runtime's own

@@ -200,6 +200,12 @@ def _check_data_and_model(checked: Checked, nproc: int) -> None:
             f"model.lora.dropout={cfg.model.lora.dropout} with plan.tp={plan.tp}: tensor-parallel ranks would drop "
             "different features of the same input; set model.lora.dropout: 0 or plan.tp: 1."
         )
+    if plan.precision == "fp8":  # on the device this machine's ranks will get
+        from tessera.distributed import pick_device
+        from tessera.parallel.float8 import fp8_problem
+
+        if (problem := fp8_problem(pick_device(plan.device), plan.fp8_emulate)) is not None:
+            raise ConfigError(problem)
     checked.n_params = parameter_count(cfg, tokenizer.vocab_size)
     check_memory(cfg, plan, nproc, checked.n_params)
     if cfg.eval.every and plan.pipelined and plan.pipeline.schedule in V_SCHEDULES:

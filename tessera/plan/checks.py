@@ -13,7 +13,8 @@ from typing import Any
 from tessera.errors import PlanError, nearest
 from tessera.inputs import as_tuple, shown
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 scaling: one scale per tensor, or per row
 SCHEDULES = (
     "gpipe",
     "1f1b",

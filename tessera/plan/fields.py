@@ -25,6 +25,7 @@ from tessera.plan import grid
 from tessera.plan.checks import (
     COMPILE,
     DEVICES,
+    FP8_RECIPES,
     MAX_COUNT,
     MAX_GROUP,
     MAX_STAGES,
@@ -60,7 +61,12 @@ class Plan:
             ``"all_to_all"`` (Ulysses: sp more ranks, each holding a slice of every sequence).
         zero: ZeRO stage 0–3 over the data-parallel axis (0 is plain DDP).
         offload: keep sharded state on the CPU between uses.
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (dynamic loss scaling).
+        precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or ``"fp8"`` (bf16, with the
+            blocks' linear layers in float8 through torchao: :mod:`tessera.parallel.float8`).
+        fp8_recipe: with fp8, torchao's scaling: ``"tensorwise"`` (one scale per tensor; FSDP2 then gathers
+            the weights in float8) or ``"rowwise"`` (one per row: closer to bf16, a little slower).
+        fp8_emulate: with fp8, emulate float8 matmuls with bf16 ones (same numerics): for a CPU or a GPU
+            without FP8 tensor cores, which are otherwise refused; not faster than bf16.
         dp_shares: relative number of samples each data-parallel rank takes
             from every global batch, e.g. ``(3, 1)``; ``None`` means equal.
         pipeline: stage layer ranges, micro-batch count and schedule.
@@ -97,6 +103,8 @@ class Plan:
     zero: int = 0
     offload: bool = False
     precision: str = "fp32"
+    fp8_recipe: str = "tensorwise"
+    fp8_emulate: bool = False
     dp_shares: tuple[int, ...] | None = None
     expert_shares: tuple[int, ...] | None = None
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
@@ -142,6 +150,14 @@ class Plan:
                 "Plan.loss_parallel=True splits the logits over tensor-parallel ranks: it needs Plan.tp > 1."
             )
         check_choice("precision", self.precision, PRECISIONS)
+        check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if not isinstance(self.fp8_emulate, bool):
+            raise PlanError(f"Plan.fp8_emulate must be true or false, got {shown(self.fp8_emulate)}.")
+        if self.precision != "fp8" and (self.fp8_recipe != "tensorwise" or self.fp8_emulate):
+            raise PlanError(
+                f"Plan.fp8_recipe and Plan.fp8_emulate apply to precision 'fp8', but "
+                f"Plan.precision={self.precision!r}: set precision: fp8, or leave them out."
+            )
         check_choice("sp_mode", self.sp_mode, SP_MODES)
         check_choice("recompute", self.recompute, RECOMPUTE)
         check_choice("compile", self.compile, COMPILE)
@@ -311,6 +327,8 @@ class Plan:
             raise NotSupportedYet(f"Plan.offload with Plan.tp={self.tp} is not supported yet: use offload=False.")
         if self.compile != "none":
             self._check_compilable()
+        if self.precision == "fp8":
+            self._check_float8()
 
     def _check_compilable(self) -> None:
         """Compiled blocks run (and are tested for parity) with DDP and ZeRO-1/2/3 in fp32 and bf16 so far."""
@@ -327,7 +345,24 @@ class Plan:
         if other:
             raise NotSupportedYet(
                 f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
-                "with DDP and ZeRO-1/2/3 (offload too) in fp32 or bf16 for now; use compile='none' for the others."
+                "with DDP and ZeRO-1/2/3 (offload too) in fp32, bf16 or fp8 for now; use compile='none' for the others."
+            )
+
+    def _check_float8(self) -> None:
+        """FP8 runs (and is tested against bf16) with DDP, ZeRO-1/2/3, tensor parallelism and compiled blocks."""
+        unsupported = {
+            "pp": self.pp > 1,
+            "sp": self.sp > 1,
+            "ep": self.ep > 1,
+            "replicas": self.replicas is not None,
+            "groups": self.groups is not None,
+            "offload": self.offload,
+        }
+        other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
+        if other:
+            raise NotSupportedYet(
+                f"Plan.precision='fp8' with {', '.join(other)} is not supported yet: FP8 runs with DDP, ZeRO-1/2/3, "
+                "tensor parallelism and compiled blocks for now; use precision 'bf16' for the others."
             )
 
     # ----------------------------------------------------------- rank arithmetic (tessera.plan.grid)

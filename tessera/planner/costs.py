@@ -31,7 +31,8 @@ from torch import nn
 from tessera.errors import PlanError
 
 PARTS = ("first", "block", "last")
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# fp8: activations and the weights a rank computes with stay bf16 (float8 copies are made per matmul)
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 
 
 @dataclass(frozen=True)

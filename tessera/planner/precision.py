@@ -16,7 +16,7 @@ from __future__ import annotations
 from tessera.cluster.spec import Cluster
 from tessera.errors import PlanError
 
-CHOICES = ("auto", "fp32", "bf16", "fp16")
+CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")
 
 
 def choose_precision(cluster: Cluster, requested: str, pinned: bool = False) -> tuple[str, str | None]:
@@ -25,7 +25,7 @@ def choose_precision(cluster: Cluster, requested: str, pinned: bool = False) -> 
         raise PlanError(f"precision={requested!r} is not one of {', '.join(CHOICES)}.")
     if pinned and requested == "auto":
         raise PlanError('precision="auto" cannot be pinned: name fp32, bf16 or fp16 to pin it.')
-    if pinned or requested in ("fp32", "fp16"):
+    if pinned or requested in ("fp32", "fp16", "fp8"):  # (fp8: a device without an fp8 figure is refused)
         return requested, None
     types = {t.name: t for _, _, t in cluster.devices()}
     no_bf16 = sorted(name for name, t in types.items() if t.peak("bf16") is None)

@@ -1,5 +1,6 @@
 """One path that lays out a module, the whole model or one pipeline stage alike:
-tensor parallel (with split/gather sequence parallelism) → recompute → compiled blocks → data parallel / ZeRO.
+float8 linears → tensor parallel (with split/gather sequence parallelism) → recompute → compiled blocks →
+data parallel / ZeRO.
 
 Ulysses sequence parallelism routes the whole model's attention and is switched on once per
 model (:func:`enable_ulysses`), before a pipeline cuts it into stages.
@@ -11,11 +12,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tessera.errors import PlanError
 from tessera.models import pretrained
 from tessera.models.hf_experts import expert_modules
 from tessera.parallel import data_parallel
 from tessera.parallel.compile import apply_compile
 from tessera.parallel.experts import average_expert_grads, shard_experts
+from tessera.parallel.float8 import apply_float8, fp8_problem
 from tessera.parallel.policy import Policy
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor import apply_tensor_parallel
@@ -49,6 +52,11 @@ def parallelize(
         pretrained.move_buffers(module, device)
     elif home == device:
         module.to(device)
+    blocks = data_parallel.repeated_blocks(module)  # float8, recompute and FSDP change them in place: found once
+    if plan.precision == "fp8":  # before tp, whose styles then split the float8 linears
+        if (problem := fp8_problem(device, plan.fp8_emulate)) is not None:
+            raise PlanError(problem)
+        apply_float8(blocks, plan.fp8_recipe, plan.fp8_emulate, fsdp)
     if plan.tp > 1:
         assert policy is not None and meshes is not None, "the engine checks tp against the policy first"
         split_gather = plan.sp > 1 and plan.sp_mode == "split_gather"
@@ -67,7 +75,6 @@ def parallelize(
                 unit.grad_scale = 1 / plan.ep
         else:  # DDP must not average them: average_expert_grads does, below
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
-    blocks = data_parallel.repeated_blocks(module)  # recompute and FSDP wrap them in place: found once
     apply_recompute(blocks, plan.recompute)
     apply_compile(blocks, plan.compile)  # around the recompute, inside the data-parallel wrappers
     if source is not None and not fsdp:
