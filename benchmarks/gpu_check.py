@@ -6,7 +6,8 @@
    (Tessera: ``Plan(compile="blocks")``), and compiled with FP8 (Tessera: ``precision="fp8"``; FSDP2:
    torchao's float8 linears in the blocks, weights gathered in float8, as torchtitan does it; MFU still
    against the bf16 peak). Interleaved: each repetition runs every system once on a fresh model.
-   MFU = (6 × parameters + 12 × layers × dim × seq) × tokens per second / the device's bf16 dense peak (from the catalogue): the weights' FLOPs and attention's (PaLM, appendix B).
+   MFU = (6 × parameters + 12 × layers × dim × seq) × tokens per second / the device's bf16 dense peak
+   (from the catalogue): the weights' FLOPs and attention's (PaLM, appendix B).
 2. **CPU offload parity on CUDA** (offload moves nothing on CPU, so only here is it tested):
    ``ZeRO(stage=3, offload=True)`` against ``ZeRO(stage=3)`` on a small model, a few fp32 steps:
    losses within 1e-5 relative, and the offloaded parameters' shards really live on the host.
