@@ -29,6 +29,7 @@ COMPILED = {
     "zero3": tessera.Plan(zero=3, compile="blocks"),
     "zero3 offload": tessera.Plan(zero=3, offload=True, compile="blocks"),
     "zero3 full recompute": tessera.Plan(zero=3, recompute="full", compile="blocks"),
+    "zero2 op-level recompute": tessera.Plan(zero=2, recompute="ops", compile="blocks"),
 }
 
 

@@ -41,6 +41,7 @@ def test_llama_every_layout_on_2_ranks() -> None:
     cases += [case("llama", with_shares(p, (3, 1)), f"{p} shares 3:1") for p in ("ddp", "zero1", "zero2", "zero3")]
     cases += [case("llama", PRESETS[p], f"{p} clipped", CLIP) for p in ("ddp", "zero1", "zero2", "zero3")]
     cases.append(case("llama", tessera.Plan(zero=3, recompute="full"), "zero3 full recompute"))
+    cases.append(case("llama", tessera.Plan(recompute="ops"), "ddp op-level recompute"))
     assert min(reference_run("llama", GLOBAL_BATCH, STEPS, max_norm=CLIP)["norms"]) > CLIP, "must really clip"
     check_cases(2, cases, GLOBAL_BATCH, STEPS)
 
@@ -53,11 +54,13 @@ def test_llama_every_layout_on_4_ranks() -> None:
 
 
 def test_hugging_face_models_on_2_ranks() -> None:
-    """GPT-2 (tied embeddings, Conv1D) and Llama from configs, every preset, shares and recompute."""
+    """GPT-2 (tied embeddings, Conv1D) and Llama from configs, every preset, shares and recompute (each
+    mode)."""
     cases = [case(kind, plan, name) for kind in ("gpt2", "hf_llama") for name, plan in PRESETS.items()]
     cases.append(case("gpt2", tessera.ZeRO(stage=3, dp_shares=(3, 1)), "zero3 shares 3:1"))
     cases.append(case("gpt2", tessera.Plan(zero=0, recompute="selective"), "ddp selective recompute"))
     cases.append(case("hf_llama", tessera.Plan(zero=2, recompute="full"), "zero2 full recompute"))
+    cases.append(case("hf_llama", tessera.Plan(zero=3, recompute="ops"), "zero3 op-level recompute"))
     check_cases(2, cases, GLOBAL_BATCH, STEPS)
 
 

@@ -70,7 +70,9 @@ class Plan:
         dp_shares: relative number of samples each data-parallel rank takes
             from every global batch, e.g. ``(3, 1)``; ``None`` means equal.
         pipeline: stage layer ranges, micro-batch count and schedule.
-        recompute: activation recompute, ``"none"``, ``"selective"`` or ``"full"``.
+        recompute: activation recompute, ``"none"``, ``"selective"`` (every second block), ``"full"``
+            (every block) or ``"ops"`` (every block at operator level: matmul and attention outputs kept,
+            the element-wise work between them recomputed).
         compile: ``"none"`` (eager) or ``"blocks"``: each repeated block's forward compiled on its own with
             ``torch.compile`` (regional compilation: one compilation serves every block of a type, so
             compile time does not grow with depth), after tensor parallelism and recompute, before data

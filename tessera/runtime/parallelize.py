@@ -20,7 +20,7 @@ from tessera.parallel.compile import apply_compile
 from tessera.parallel.experts import average_expert_grads, shard_experts
 from tessera.parallel.float8 import apply_float8, fp8_problem
 from tessera.parallel.policy import Policy
-from tessera.parallel.recompute import apply_recompute
+from tessera.parallel.recompute import apply_recompute, without_kv_cache
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.plan import Plan
 from tessera.runtime.hooks import Hooks
@@ -75,6 +75,8 @@ def parallelize(
                 unit.grad_scale = 1 / plan.ep
         else:  # DDP must not average them: average_expert_grads does, below
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    if plan.recompute != "none":
+        without_kv_cache(model)
     apply_recompute(blocks, plan.recompute)
     apply_compile(blocks, plan.compile)  # around the recompute, inside the data-parallel wrappers
     if source is not None and not fsdp:
