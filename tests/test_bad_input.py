@@ -70,6 +70,12 @@ CASES = [
         "does not exist",
     ),
     ("negative-peak", with_change("train.peak_tflops", {"cpu": -1.0}), [], "train.peak_tflops"),
+    (
+        "compiled-experts",
+        {**GOOD, "model": {**GOOD["model"], "moe": {"experts": 4}}, "plan": {"compile": "blocks"}},
+        [],
+        "with a model with experts",
+    ),
     ("nproc-too-many-for-batch", with_change("train.global_batch_size", 1), [], "global_batch_size"),
 ]
 

@@ -33,6 +33,7 @@ from tessera.plan.checks import (
     RECOMPUTE,
     SINGLE_STAGE_SCHEDULES,
     SP_MODES,
+    SPLIT_BACKWARD_SCHEDULES,
     check_choice,
     check_int,
     check_positive_ints,
@@ -76,8 +77,9 @@ class Plan:
         compile: ``"none"`` (eager) or ``"blocks"``: each repeated block's forward compiled on its own with
             ``torch.compile`` (regional compilation: one compilation serves every block of a type, so
             compile time does not grow with depth), after tensor parallelism and recompute, before data
-            parallelism. For now with DDP and ZeRO-1/2/3 (offload too) in fp32 or bf16; other layouts and
-            fp16 are refused by name.
+            parallelism. For now with DDP, ZeRO-1/2/3 (offload too) and pipeline stages (not the
+            zero-bubble schedules) in fp32, bf16 or fp8; other layouts, fp16 and models with experts are
+            refused by name.
         loss_parallel: with tp, keep the logits split over the vocabulary (a DTensor) and compute
             the cross-entropy on the shards under ``booster.loss_parallel()``: full logits are
             never gathered.
@@ -333,21 +335,24 @@ class Plan:
             self._check_float8()
 
     def _check_compilable(self) -> None:
-        """Compiled blocks run (and are tested for parity) with DDP and ZeRO-1/2/3 in fp32 and bf16 so far."""
+        """Compiled blocks run (and are tested for parity) with DDP, ZeRO-1/2/3 and pipeline stages in fp32, bf16
+        and fp8 so far; a model with experts is refused where it is laid out (:func:`apply_compile`)."""
         unsupported = {
             "tp": self.tp > 1,
             "sp": self.sp > 1,
-            "pp": self.pp > 1,
             "ep": self.ep > 1,
             "replicas": self.replicas is not None,
             "groups": self.groups is not None,
             "precision": self.precision == "fp16",
         }
         other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
+        if self.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:  # their weight-gradient pass
+            other.append(f"Plan.pipeline.schedule={self.pipeline.schedule!r}")  # needs eager autograd nodes
         if other:
             raise NotSupportedYet(
                 f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
-                "with DDP and ZeRO-1/2/3 (offload too) in fp32, bf16 or fp8 for now; use compile='none' for the others."
+                "with DDP, ZeRO-1/2/3 (offload too) and pipeline stages (gpipe, 1f1b, interleaved_1f1b, looped_bfs) "
+                "in fp32, bf16 or fp8 for now; use compile='none' for the others."
             )
 
     def _check_float8(self) -> None:
