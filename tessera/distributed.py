@@ -92,19 +92,20 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> None:
     backend = backend or default_backend()
     if backend == "nccl" and not accelerator_available():
         raise PlanError('backend="nccl" needs CUDA devices; this machine has none: use "gloo".')
-    if "RANK" not in os.environ:
-        # A plain single process: make a one-rank group so the same code path runs.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(pick_device("cuda"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent already serves the store
         dist.init_process_group(backend=backend, timeout=timeout)
         return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = _bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
+    if "RANK" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:  # a plain single process: a one-rank group, so the same code path runs. Nothing goes into os.environ:
+        # a process started from this one (a notebook's `!tessera train`) would take RANK for its own and run as
+        # a rank of a job that does not exist.
+        rank, world, addr, port = 0, 1, "127.0.0.1", _free_port()
+    store = _bound_store(addr, port, rank, world, timeout)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 

@@ -193,5 +193,8 @@ def test_what_does_not_compile_yet_is_refused_by_name(plan: tessera.Plan, named:
 def test_a_model_with_experts_is_refused_by_name_when_compiled() -> None:
     from parity import build_model
 
-    with pytest.raises(NotSupportedYet, match="Plan.compile='blocks' with a model with experts"):
-        tessera.Booster(tessera.Plan(compile="blocks")).boost(build_model("moe_llama"), None)
+    from tessera.runtime.hooks import Hooks
+    from tessera.runtime.parallelize import parallelize
+
+    with pytest.raises(NotSupportedYet, match="Plan.compile='blocks' with a model with experts"):  # as a rank lays out
+        parallelize(build_model("moe_llama"), tessera.Plan(compile="blocks"), None, None, Hooks(), torch.device("cpu"))

@@ -147,6 +147,8 @@ def test_fp8_is_refused_where_it_cannot_run() -> None:
     """Before any group or model: no float8 matmul and no emulation asked (named with the way out); fp8
     fields without fp8; layouts FP8 does not compose with yet."""
     from tessera.parallel.float8 import fp8_problem
+    from tessera.runtime.hooks import Hooks
+    from tessera.runtime.parallelize import parallelize
 
     problem = fp8_problem(torch.device("cpu"), emulate=False)
     assert problem is not None and "CPU" in problem and "fp8_emulate: true" in problem, problem
@@ -157,8 +159,8 @@ def test_fp8_is_refused_where_it_cannot_run() -> None:
         tessera.Plan(precision="fp8", fp8_recipe="blockwise")
     with pytest.raises(NotSupportedYet, match="precision='fp8' with Plan.pp=2"):
         tessera.Plan(precision="fp8", fp8_emulate=True, pp=2, pipeline={"microbatches": 2}).resolve(2)
-    with pytest.raises(PlanError, match="needs float8 matmuls"):  # the runtime's own check, on a rank
-        tessera.Booster(tessera.Plan(precision="fp8")).boost(build_model("llama"), None)
+    with pytest.raises(PlanError, match="needs float8 matmuls"):  # the runtime's own check, as a rank lays out
+        parallelize(build_model("llama"), tessera.Plan(precision="fp8"), None, None, Hooks(), torch.device("cpu"))
 
 
 def test_fp8_without_torchao_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

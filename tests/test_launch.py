@@ -171,3 +171,22 @@ def test_a_several_machines_launch_trains_through_the_bound_rendezvous(tmp_path:
     argv = ["train", str(config), "--nproc", "2", "--rdzv-endpoint", f"127.0.0.2:{port}", "--local-addr", "127.0.0.2"]
     proc = subprocess.run([sys.executable, "-m", "tessera.cli", *argv], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "over steps 1-2" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_plain_process_s_one_rank_group_leaves_no_rank_variables_behind() -> None:
+    """tessera.init() outside a launch makes a one-rank group without writing RANK, LOCAL_RANK or MASTER_PORT
+    into os.environ: a `tessera train` started from that process (a notebook's `!tessera train`) once took
+    LOCAL_RANK for its own and ran as a rank instead of launching."""
+    import subprocess
+    import sys
+
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    script = (
+        "import os, tessera, torch.distributed as dist; tessera.init(); "
+        "assert (dist.get_rank(), dist.get_world_size()) == (0, 1); "
+        f"print(sorted(k for k in {names!r} if k in os.environ))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
