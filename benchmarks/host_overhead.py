@@ -139,8 +139,9 @@ def main() -> None:
     result = run_ranks(measure, args.ranks, args.windows, args.steps, args.profile, timeout_s=1800)[0]
     medians = {name: statistics.median(times) for name, times in result["per_step"].items()}
     base = medians["fully_shard by hand"]
-    print(f"{args.ranks} gloo rank(s), {FIELDS['n_layers']} blocks of dim {FIELDS['dim']}, batch {BATCH} x {SEQ}; "
-          f"median of {args.windows} windows of {args.steps} steps, interleaved (torch {torch.__version__})")  # fmt: skip
+    shape = f"{FIELDS['n_layers']} blocks of dim {FIELDS['dim']}, batch {BATCH} x {SEQ}"
+    print(f"{args.ranks} gloo rank(s), {shape}; median of {args.windows} windows of {args.steps} steps, "
+          f"interleaved (torch {torch.__version__})")  # fmt: skip
     print("| configuration | ms/step | vs fully_shard by hand |")
     print("|---|---:|---:|")
     for name, seconds in medians.items():
