@@ -105,8 +105,23 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> None:
         # a process started from this one (a notebook's `!tessera train`) would take RANK for its own and run as
         # a rank of a job that does not exist.
         rank, world, addr, port = 0, 1, "127.0.0.1", _free_port()
+    global _STORE_ADDRESS
+    _STORE_ADDRESS = (addr, port)
     store = _bound_store(addr, port, rank, world, timeout)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+_STORE_ADDRESS: tuple[str, int] | None = None  # where init() served this process's job store
+
+
+def store_address() -> tuple[str, int]:
+    """Host and port of the job's key-value store: torchrun's MASTER_ADDR and MASTER_PORT, or, in a plain
+    process, the store :func:`init` made for its one-rank group (which it does not write into os.environ)."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if _STORE_ADDRESS is None:
+        raise PlanError("no process group yet: call tessera.init() (or build a Booster) first.")
+    return _STORE_ADDRESS
 
 
 def shutdown() -> None:

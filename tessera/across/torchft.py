@@ -40,6 +40,7 @@ from tessera.across.heal import heal_state, load_heal_state, load_slot_heal_stat
 from tessera.across.lighthouse import GROUP_ENV, LIGHTHOUSE_ENV, check_reachable
 from tessera.across.meet import Across
 from tessera.across.outer import OuterSync
+from tessera.distributed import store_address
 from tessera.errors import PlanError
 
 TIMEOUT_ENV = "TESSERA_FT_TIMEOUT_S"
@@ -119,8 +120,11 @@ class TorchftAcross(Across):
             return
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = ProcessGroupNCCL(timeout=timeout) if device == "cuda" else ProcessGroupGloo(timeout=timeout)
+        store_addr, store_port = store_address()  # (a plain process's one-rank group has no MASTER_* variables)
         self.manager = Manager(
             pg=self.pg,
+            store_addr=store_addr,
+            store_port=store_port,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=1,
