@@ -45,7 +45,7 @@ def test_plan_is_frozen() -> None:
         (lambda: Plan(zero=4), "zero"),
         (lambda: Plan(zero=-1), "zero"),
         (lambda: tessera.ZeRO(stage=0), "stage"),
-        (lambda: Plan(precision="fp8"), "precision"),
+        (lambda: Plan(precision="fp4"), "precision"),
         (lambda: Plan(dp_shares=(3, 0)), "dp_shares[1]"),
         (lambda: Plan(dp_shares=(2, -1)), "dp_shares[1]"),
         (lambda: Plan(dp=2, dp_shares=(1, 1, 1)), "dp_shares"),
