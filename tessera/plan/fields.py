@@ -320,7 +320,7 @@ class Plan:
                 "sp": self.sp > 1,
                 "groups": self.groups is not None,
             }
-            other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
+            other = self._fields_in_use(unsupported)
             if other:
                 raise NotSupportedYet(
                     f"Plan.ep={self.ep} with {', '.join(other)} is not supported yet: expert parallelism runs with "
@@ -334,6 +334,10 @@ class Plan:
         if self.precision == "fp8":
             self._check_float8()
 
+    def _fields_in_use(self, used: dict[str, bool]) -> list[str]:
+        """``Plan.<name>=<value>`` for each field of ``used`` whose condition holds, for a NotSupportedYet."""
+        return [f"Plan.{name}={getattr(self, name)!r}" for name, on in used.items() if on]
+
     def _check_compilable(self) -> None:
         """Compiled blocks run (and are tested for parity) with DDP, ZeRO-1/2/3 and pipeline stages in fp32, bf16
         and fp8 so far; a model with experts is refused where it is laid out (:func:`apply_compile`)."""
@@ -345,7 +349,7 @@ class Plan:
             "groups": self.groups is not None,
             "precision": self.precision == "fp16",
         }
-        other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
+        other = self._fields_in_use(unsupported)
         if self.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:  # their weight-gradient pass
             other.append(f"Plan.pipeline.schedule={self.pipeline.schedule!r}")  # needs eager autograd nodes
         if other:
@@ -365,7 +369,7 @@ class Plan:
             "groups": self.groups is not None,
             "offload": self.offload,
         }
-        other = [f"Plan.{name}={getattr(self, name)!r}" for name, used in unsupported.items() if used]
+        other = self._fields_in_use(unsupported)
         if other:
             raise NotSupportedYet(
                 f"Plan.precision='fp8' with {', '.join(other)} is not supported yet: FP8 runs with DDP, ZeRO-1/2/3, "
