@@ -48,7 +48,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Any) -> dict[
     layout.update({name: part.state_to_load(saved[name]) for name, part in parts.items() if name in saved})
     _check_same_model(folder, metadata, layout["model"])
     trainer_state = read_data(path / "trainer.pt")  # small and checked first: an unsafe file stops everything
-    check_complete(folder)  # a truncated or missing shard is named before DCP reads any of it
+    _check_shards(folder, metadata, path)  # a truncated or missing shard is named before DCP reads any of it
     state = to_storable(layout)
     try:
         reader = DataOnlyReader(str(folder))
@@ -93,21 +93,25 @@ def check_complete(path: str | Path) -> None:
     """Refuse a checkpoint a shard of which is missing or shorter than its metadata says (a copy cut short,
     a disk that filled): every folder under ``path`` holding DCP state is checked, reading only sizes."""
     for meta_file in sorted(Path(path).rglob(".metadata")):
-        folder = meta_file.parent
-        needed: dict[str, int] = {}  # each shard file's bytes, as far as the metadata reaches into it
-        storage = _read_metadata(folder).storage_data or {}
-        for info in storage.values():
-            file = str(getattr(info, "relative_path", ""))
-            needed[file] = max(needed.get(file, 0), int(info.offset) + int(info.length))
-        for file, size in sorted(needed.items()):
-            shard = folder / file
-            have = shard.stat().st_size if shard.is_file() else None
-            if have is None or have < size:
-                found = "is missing" if have is None else f"holds {have:,} bytes where its metadata needs {size:,}"
-                raise CheckpointError(
-                    f"checkpoint '{path}' is corrupted or incomplete: '{shard}' {found} (a copy cut short or a full "
-                    "disk?). Resume from an earlier checkpoint (move this one away), or start fresh with --overwrite."
-                )
+        _check_shards(meta_file.parent, _read_metadata(meta_file.parent), path)
+
+
+def _check_shards(folder: Path, metadata: Any, path: str | Path) -> None:
+    """Every shard file ``metadata`` (the DCP state in ``folder``, of checkpoint ``path``) reads from is there
+    and reaches as far as its furthest entry."""
+    needed: dict[str, int] = {}  # each shard file's bytes, as far as the metadata reaches into it
+    for info in (metadata.storage_data or {}).values():
+        file = str(getattr(info, "relative_path", ""))
+        needed[file] = max(needed.get(file, 0), int(info.offset) + int(info.length))
+    for file, size in sorted(needed.items()):
+        shard = folder / file
+        have = shard.stat().st_size if shard.is_file() else None
+        if have is None or have < size:
+            found = "is missing" if have is None else f"holds {have:,} bytes where its metadata needs {size:,}"
+            raise CheckpointError(
+                f"checkpoint '{path}' is corrupted or incomplete: '{shard}' {found} (a copy cut short or a full "
+                "disk?). Resume from an earlier checkpoint (move this one away), or start fresh with --overwrite."
+            )
 
 
 def check_model_shapes(path: str | Path, model: nn.Module) -> None:
