@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 LINKS = ("intra_node", "inter_node", "across_groups")
 
@@ -240,6 +241,12 @@ def _count(group: Any, kind: str, nbytes: int, peer: int | None = None) -> list[
     return _COUNTER.add(link, nbytes * _PER_BYTE[kind](len(ranks)))
 
 
+def _traced(value: Any) -> bool:
+    """Whether ``value`` holds the stand-in tensors of torch.compile tracing a graph (compiled blocks under tp):
+    that collective is recorded, not sent; the compiled graph's call of it is counted when it runs."""
+    return any(is_fake(t) for t in _tensors(value))
+
+
 def _c10d_kernel(name: str, arg: int, kind: str) -> Callable[..., Any]:
     op = getattr(torch.ops.c10d, name).default
     group_at = next(i for i, a in enumerate(op._schema.arguments) if a.name == "process_group")
@@ -247,6 +254,8 @@ def _c10d_kernel(name: str, arg: int, kind: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             result = op(*args, **kwargs)
+        if _traced(args[arg]):
+            return result
         span = _count(args[group_at], kind, tensor_bytes(args[arg]), peer=args[2] if name == "send" else None)
         if span is not None:
             work = result[-1] if isinstance(result, tuple) else result
@@ -266,6 +275,8 @@ def _functional_kernel(name: str, arg: int, kind: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             result = op(*args, **kwargs)
+        if _traced(args[arg]):
+            return result
         span = _count(args[group_at] if len(args) > group_at else kwargs["group_name"], kind, tensor_bytes(args[arg]))
         if span is not None:
             for out in _tensors(result):  # it ends when its output is waited for

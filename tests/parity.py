@@ -253,17 +253,26 @@ def assert_same_training(got: dict, want: dict, rtol: float = 1e-5, atol: float 
 
 def cases_worker(cases: list[tuple[str, dict, str, float | None]], global_batch: int, steps: int) -> dict:
     """Run ``(name, plan dict, model kind, max_norm)`` cases one after the other on these ranks
-    (spawning ranks costs more than a case); rank 0 returns each case's results by name."""
-    return {name: tessera_run(plan, kind, global_batch, steps, 1e-3, max_norm) for name, plan, kind, max_norm in cases}
+    (spawning ranks costs more than a case); rank 0 returns each case's results by name, with the graphs it
+    compiled (``compiled_graphs``: compiled blocks that first run in this launch compile at least one)."""
+    from tessera.parallel.compile import compile_counts
+
+    results = {}
+    for name, plan, kind, max_norm in cases:
+        before = compile_counts()["graphs"]
+        results[name] = tessera_run(plan, kind, global_batch, steps, 1e-3, max_norm)
+        results[name]["compiled_graphs"] = compile_counts()["graphs"] - before
+    return results
 
 
-def check_cases(world: int, cases: list[tuple[str, dict, str, float | None]], global_batch: int, steps: int) -> None:
-    """Every case equals plain single-process training; the failures are listed together."""
+def check_cases(world: int, cases: list[tuple[str, dict, str, float | None]], global_batch: int, steps: int) -> dict:
+    """Every case equals plain single-process training; the failures are listed together. Returns rank 0's
+    results."""
     from tessera.testing import run_ranks
 
-    compare_cases(
-        run_ranks(cases_worker, world, cases, global_batch, steps, timeout_s=600)[0], cases, global_batch, steps
-    )
+    results = run_ranks(cases_worker, world, cases, global_batch, steps, timeout_s=600)[0]
+    compare_cases(results, cases, global_batch, steps)
+    return results
 
 
 def compare_cases(

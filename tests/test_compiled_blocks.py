@@ -1,7 +1,8 @@
 """Compiled blocks (issue 34, item 1; Plan.compile="blocks"): each block's forward compiled on its own with
-torch.compile (inductor's CPU backend here), in DDP, ZeRO-1/2/3 and pipeline layouts, on the reference Llama
-and a Hugging Face Llama with peft's LoRA, trains like one eager process (fp32), and bf16 compiled as close to
-fp32 training as bf16 eager.
+torch.compile (inductor's CPU backend here), in DDP, ZeRO-1/2/3, tensor parallel (with split/gather sequence
+parallelism and loss parallelism), Ulysses, pipeline and every-step groups layouts (replicas: test_replicas), on
+the reference Llama and a Hugging Face Llama with peft's LoRA, trains like one eager process (fp32), and bf16
+compiled as close to fp32 training as bf16 eager.
 
 Tolerance: the parity tests' own (fp32, rtol 1e-5, atol 1e-5). Inductor fuses and reorders float operations
 inside a block (its generated kernels, not ATen's), so results differ from eager in the last bits (logits
@@ -32,6 +33,12 @@ COMPILED = {
     "zero3 full recompute": tessera.Plan(zero=3, recompute="full", compile="blocks"),
     "zero2 op-level recompute": tessera.Plan(zero=2, recompute="ops", compile="blocks"),
     "pp2 1f1b": tessera.Plan(pp=2, pipeline={"microbatches": 2, "schedule": "1f1b"}, compile="blocks"),
+    "tp2": tessera.Plan(tp=2, compile="blocks"),  # the first block's input arrives from the embedding's collective
+    "tp2 split/gather sp, loss parallel": tessera.Plan(
+        tp=2, sp=2, sp_mode="split_gather", loss_parallel=True, compile="blocks"
+    ),
+    "ulysses sp2": tessera.Plan(sp=2, compile="blocks"),  # all-to-alls inside the compiled attention
+    "groups every step": tessera.Plan(groups={"count": 2, "sync": "every_step"}, compile="blocks"),
 }
 # (model kind, plan): other models, and schedules with several stages per rank (micro-batches of 4 sequences,
 # as a DDP rank's batch: one block graph serves them all)
@@ -40,21 +47,27 @@ OTHER_MODELS = {
                                                                             "schedule": "interleaved_1f1b"},
                                                           compile="blocks")),
     "lora zero2": ("lora", tessera.Plan(zero=2, compile="blocks")),  # peft's adapters in Hugging Face blocks
+    "lora tp2": ("lora", tessera.Plan(tp=2, compile="blocks")),  # ... split by the Hugging Face policy
 }  # fmt: skip
 
 
 def compiled_cases_worker(cases: list[tuple], global_batch: int, steps: int, profiled: list[str]) -> dict:
     """Each case's training, and for the ``profiled`` ones how many times compiled code ran in it as torch's
     profiler saw it (a block cached from an earlier case compiles nothing new, but runs as compiled); the
-    profiler costs about a second a case, so the other cases count the graphs this rank compiled in all."""
+    profiler costs about a second a case, so the other cases count the graphs this rank compiled in all. Each
+    case's ``bytes``: what this rank's collectives sent, as Tessera's traffic counter counted them."""
     from contextlib import nullcontext
 
     from torch.profiler import ProfilerActivity, profile
 
+    from tessera import traffic
+
     results = {}
     for name, plan, kind, _ in cases:  # no forward-only pass: one more graph (25 s cold here) for the suite
+        traffic.take()
         with profile(activities=[ProfilerActivity.CPU]) if name in profiled else nullcontext() as prof:
             results[name] = tessera_run(plan, kind, global_batch, steps, evaluate=False)
+        results[name]["bytes"] = sum(link.bytes for link in traffic.take().values())
         if prof is not None:
             results[name]["compiled_calls"] = sum(e.name.startswith("Torch-Compiled Region") for e in prof.events())
     results["graphs"] = compile_counts()["graphs"]
@@ -66,6 +79,7 @@ BF16 = {  # compiled bf16 against eager bf16 of the same layout (both against fp
     "zero2 bf16 compiled": tessera.Plan(zero=2, precision="bf16", compile="blocks"),
     "ddp bf16 compiled": tessera.Plan(precision="bf16", compile="blocks"),
 }
+EAGER = {"tp2 eager": tessera.Plan(tp=2)}  # what the traffic counter counts of tp2 without compiling
 
 
 def test_compiled_blocks_train_like_one_process_in_data_parallel_and_pipeline_layouts() -> None:
@@ -79,14 +93,20 @@ def test_compiled_blocks_train_like_one_process_in_data_parallel_and_pipeline_la
     cases = [(f"llama {name} compiled", plan.to_dict(), "llama", None) for name, plan in COMPILED.items()]
     cases += [(f"{name} compiled", plan.to_dict(), kind, None) for name, (kind, plan) in OTHER_MODELS.items()]
     fp32 = len(cases)
-    cases += [(f"llama {name}", plan.to_dict(), "llama", None) for name, plan in BF16.items()]
-    profiled = [f"{name} compiled" for name in [*OTHER_MODELS, "llama pp2 1f1b"]]  # the layouts the tests of
-    # one process do not show compiled
+    cases += [(f"llama {name}", plan.to_dict(), "llama", None) for name, plan in {**BF16, **EAGER}.items()]
+    # the layouts the tests of one process do not show compiled (a wrapper that skipped compiling in them would
+    # still train like one process)
+    profiled = [
+        f"{name} compiled"
+        for name in [*OTHER_MODELS, "llama pp2 1f1b", "llama tp2", "llama ulysses sp2", "llama groups every step"]
+    ]
     results = run_ranks(compiled_cases_worker, 2, cases, GLOBAL_BATCH, STEPS, profiled, timeout_s=600)[0]
     assert results["graphs"] > 0, "no block was compiled"
     uncompiled = [name for name in profiled if not results[name]["compiled_calls"]]
     assert not uncompiled, f"no compiled block ran in {uncompiled}"
     compare_cases(results, cases[:fp32], GLOBAL_BATCH, STEPS)
+    # tp's collectives run inside the compiled blocks: counted when they run, not when the graph is traced
+    assert results["llama tp2 compiled"]["bytes"] == results["llama tp2 eager"]["bytes"] > 0
     fp32 = reference_run("llama", GLOBAL_BATCH, STEPS)
     eager = _distance(results["llama zero2 bf16 eager"], fp32)
     for name in ("zero2 bf16 compiled", "ddp bf16 compiled"):
@@ -174,15 +194,12 @@ def test_compilations_that_keep_coming_are_warned_of_once(monkeypatch: pytest.Mo
 @pytest.mark.parametrize(
     "plan,named",
     [
-        (tessera.Plan(tp=2, compile="blocks"), "Plan.tp=2"),
         (
             tessera.Plan(pp=2, pipeline={"microbatches": 4, "schedule": "zbv_zero_bubble"}, compile="blocks"),
             "Plan.pipeline.schedule='zbv_zero_bubble'",
         ),
         (tessera.Plan(ep=2, compile="blocks"), "Plan.ep=2"),
-        (tessera.Plan(sp=2, compile="blocks"), "Plan.sp=2"),
         (tessera.Plan(zero=2, precision="fp16", compile="blocks"), "Plan.precision='fp16'"),
-        (tessera.Plan(compile="blocks", groups={"count": 2, "sync": "diloco", "inner_steps": 2}), "Plan.groups="),
     ],
 )
 def test_what_does_not_compile_yet_is_refused_by_name(plan: tessera.Plan, named: str) -> None:

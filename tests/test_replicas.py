@@ -43,8 +43,20 @@ def test_replicas_of_different_depth_train_like_one_process() -> None:
             "gpt2:4",
             None,
         ),
+        # Compiled blocks in every stage (the block graph of test_compiled_blocks, for other batch sizes).
+        (
+            "whole_and_two_stages_compiled",
+            Plan(
+                replicas=(_replica((0, 4), share=3), _replica((0, 1), (1, 4))),
+                pipeline={"microbatches": 2},
+                compile="blocks",
+            ),
+            "llama:4",
+            None,
+        ),
     ]
-    check_cases(3, [(name, plan.to_dict(), kind, clip) for name, plan, kind, clip in cases], 16, steps=2)
+    results = check_cases(3, [(name, plan.to_dict(), kind, clip) for name, plan, kind, clip in cases], 16, steps=2)
+    assert results["whole_and_two_stages_compiled"]["compiled_graphs"] > 0, "the compiled replica ran eager"
 
 
 def checkpoint_worker(root: str) -> dict:

@@ -12,11 +12,14 @@ data parallelism.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from tessera.errors import PlanError
 
@@ -42,7 +45,26 @@ def apply_compile(blocks: list[nn.Module], mode: str) -> None:
         )
     backend = os.environ.get(BACKEND_ENV, "inductor")
     for block in blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)  # type: ignore[method-assign]
+        compiled = torch.compile(block.forward, fullgraph=True, backend=backend)
+        block.forward = _landing_inputs(compiled)  # type: ignore[method-assign]
+
+
+def _landing_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` given plain copies of inputs still in flight from a collective (``AsyncCollectiveTensor``:
+    what a tp layer's ``to_local`` returns after its redistribute, e.g. the vocabulary-parallel embedding's
+    output). AOTAutograd takes such an input as a tensor subclass and, in torch 2.13, returns no gradient for
+    it: the embedding's backward then fails deep inside DTensor. The copy waits for the collective, as the
+    block's first operation would; only the first block's input is one."""
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return compiled(*(_landed(a) for a in args), **{k: _landed(v) for k, v in kwargs.items()})
+
+    return forward
+
+
+def _landed(value: Any) -> Any:
+    return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
 
 
 def compile_counts() -> dict[str, Any]:

@@ -77,9 +77,8 @@ class Plan:
         compile: ``"none"`` (eager) or ``"blocks"``: each repeated block's forward compiled on its own with
             ``torch.compile`` (regional compilation: one compilation serves every block of a type, so
             compile time does not grow with depth), after tensor parallelism and recompute, before data
-            parallelism. For now with DDP, ZeRO-1/2/3 (offload too) and pipeline stages (not the
-            zero-bubble schedules) in fp32, bf16 or fp8; other layouts, fp16 and models with experts are
-            refused by name.
+            parallelism. Every layout but the zero-bubble schedules, in fp32, bf16 or fp8; fp16 and models
+            with experts are refused by name.
         loss_parallel: with tp, keep the logits split over the vocabulary (a DTensor) and compute
             the cross-entropy on the shards under ``booster.loss_parallel()``: full logits are
             never gathered.
@@ -339,24 +338,19 @@ class Plan:
         return [f"Plan.{name}={getattr(self, name)!r}" for name, on in used.items() if on]
 
     def _check_compilable(self) -> None:
-        """Compiled blocks run (and are tested for parity) with DDP, ZeRO-1/2/3 and pipeline stages in fp32, bf16
-        and fp8 so far; a model with experts is refused where it is laid out (:func:`apply_compile`)."""
-        unsupported = {
-            "tp": self.tp > 1,
-            "sp": self.sp > 1,
-            "ep": self.ep > 1,
-            "replicas": self.replicas is not None,
-            "groups": self.groups is not None,
-            "precision": self.precision == "fp16",
-        }
+        """Compiled blocks run (and are tested for parity) in every layout but these: fp16's loss scaling, the
+        zero-bubble schedules' split backward, and experts (``ep``; a model with experts is refused where it is
+        laid out, :func:`apply_compile`)."""
+        unsupported = {"ep": self.ep > 1, "precision": self.precision == "fp16"}
         other = self._fields_in_use(unsupported)
         if self.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:  # their weight-gradient pass
             other.append(f"Plan.pipeline.schedule={self.pipeline.schedule!r}")  # needs eager autograd nodes
         if other:
             raise NotSupportedYet(
                 f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
-                "with DDP, ZeRO-1/2/3 (offload too) and pipeline stages (gpipe, 1f1b, interleaved_1f1b, looped_bfs) "
-                "in fp32, bf16 or fp8 for now; use compile='none' for the others."
+                "with DDP, ZeRO-1/2/3 (offload too), tensor and sequence parallelism, pipeline stages (gpipe, "
+                "1f1b, interleaved_1f1b, looped_bfs), replicas and groups, in fp32, bf16 or fp8; use "
+                "compile='none' for the others."
             )
 
     def _check_float8(self) -> None:
