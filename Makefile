@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/zero_vs_peers.py --json docs/zero_vs_peers.json
+
+# benchmarks/gpu_check.py's torchtitan columns on a GPU machine without network: carry .gpu_wheels there and
+# `pip install --no-deps --no-index .gpu_wheels/*.whl` (a CUDA build of torch brings triton).
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps -d .gpu_wheels torchtitan==0.3.0 tyro==1.0.17 docstring-parser \
+		typeguard spmd_types==0.2.3 einops torchdata torch_checkpointing 'torchao>=0.18,<0.19'
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,7 +1,9 @@
-"""Compiled blocks against eager on this machine (issue 34, item 6): Tessera DDP and ZeRO-3, eager and with
-``Plan.compile="blocks"``, beside FSDP2 written by hand (``fully_shard`` per block and the root, AdamW), eager
-and with each block's forward compiled. Two gloo ranks, one launch, every configuration built once and its
-timed windows interleaved with the others'; medians of the windows' seconds per step.
+"""Compiled blocks against eager on this machine (issue 34, item 6): Tessera DDP, ZeRO-3, tp2 and pp2 (1f1b,
+4 micro-batches), eager and with ``Plan.compile="blocks"``, beside FSDP2 written by hand (``fully_shard`` per
+block and the root, AdamW), eager and with each block's forward compiled. Two gloo ranks, one launch, every
+configuration built once and its timed windows interleaved with the others'; medians of the windows' seconds
+per step. Every configuration trains on the same global batch: data parallel ones take half each, tp2 and pp2
+take all of it.
 
     python benchmarks/compiled_blocks.py [--model demo|30m] [--windows 5] [--steps 3]
 
@@ -18,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-MODELS = {  # LlamaConfig fields, local batch, sequence length
+PIPELINE = {"microbatches": 4, "schedule": "1f1b"}
+MODELS = {  # LlamaConfig fields, batch per data-parallel rank, sequence length
     "demo": ({"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384}, 8, 128),
     "30m": ({"vocab_size": 8192, "dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1408}, 4, 256),
 }
@@ -41,15 +44,26 @@ def _tessera(fields: dict, seq: int, plan: dict):
     booster = tessera.Booster(tessera.Plan(**plan))
     model = _model(fields, seq)
     model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    whole = booster.plan.tp > 1 or booster.plan.pp > 1  # no data parallelism: each rank takes the whole batch
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = _loss(model(x), y)
-        booster.backward(loss, opt)
+        if not whole:
+            x, y = _half(x), _half(y)
+        if booster.plan.pp > 1:
+            loss = booster.execute_pipeline({"x": x, "y": y}, model, _loss, opt)
+        else:
+            loss = _loss(model(x), y)
+            booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
-        return float(loss.detach())
+        return float(booster.reduce_loss(loss.detach()))
 
     return step
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """This rank's half of a global batch."""
+    return t.chunk(dist.get_world_size())[dist.get_rank()]
 
 
 def _fsdp_by_hand(fields: dict, seq: int, compiled: bool):
@@ -64,11 +78,13 @@ def _fsdp_by_hand(fields: dict, seq: int, compiled: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = _loss(model(x), y)
+        loss = _loss(model(_half(x)), _half(y))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return float(loss.detach())
+        mean = loss.detach() / dist.get_world_size()  # the global batch's loss, as Tessera's reduce_loss gives it
+        dist.all_reduce(mean)
+        return float(mean)
 
     return step
 
@@ -80,11 +96,15 @@ def measure(model_name: str, windows: int, steps: int) -> dict:
         "tessera DDP compiled": lambda: _tessera(fields, seq, {"compile": "blocks"}),
         "tessera ZeRO-3 eager": lambda: _tessera(fields, seq, {"zero": 3}),
         "tessera ZeRO-3 compiled": lambda: _tessera(fields, seq, {"zero": 3, "compile": "blocks"}),
+        "tessera tp2 eager": lambda: _tessera(fields, seq, {"tp": 2}),
+        "tessera tp2 compiled": lambda: _tessera(fields, seq, {"tp": 2, "compile": "blocks"}),
+        "tessera pp2 eager": lambda: _tessera(fields, seq, {"pp": 2, "pipeline": PIPELINE}),
+        "tessera pp2 compiled": lambda: _tessera(fields, seq, {"pp": 2, "pipeline": PIPELINE, "compile": "blocks"}),
         "fully_shard by hand eager": lambda: _fsdp_by_hand(fields, seq, False),
         "fully_shard by hand compiled": lambda: _fsdp_by_hand(fields, seq, True),
     }
-    g = torch.Generator().manual_seed(dist.get_rank())
-    tokens = torch.randint(0, fields["vocab_size"], (batch, seq + 1), generator=g)
+    g = torch.Generator().manual_seed(0)  # the global batch, the same on every rank
+    tokens = torch.randint(0, fields["vocab_size"], (batch * dist.get_world_size(), seq + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
     steps_of, first_s, losses = {}, {}, {}
     for name, make in configs.items():
@@ -101,7 +121,7 @@ def measure(model_name: str, windows: int, steps: int) -> dict:
             for _ in range(steps):
                 losses[name] = step(x, y)
             per_step[name].append((time.perf_counter() - started) / steps)
-    return {"first_s": first_s, "per_step": per_step, "losses": losses, "tokens": batch * seq * dist.get_world_size()}
+    return {"first_s": first_s, "per_step": per_step, "losses": losses, "tokens": tokens.shape[0] * seq}
 
 
 def main() -> None:

@@ -6,6 +6,10 @@
    (Tessera: ``Plan(compile="blocks")``), and compiled with FP8 (Tessera: ``precision="fp8"``; FSDP2:
    torchao's float8 linears in the blocks, weights gathered in float8, as torchtitan does it; MFU still
    against the bf16 peak). Interleaved: each repetition runs every system once on a fresh model.
+   torchtitan 0.3.0 beside them: its own Llama at the same shape laid out by its own ``parallelize_llama``
+   (FSDP2, per-block compile, its float8 converter: rowwise), in the same plain step
+   (``benchmarks/torchtitan_system.py`` says why not its Trainer); where it does not import, its columns
+   carry the reason instead of figures.
    MFU = (6 × parameters + 12 × layers × dim × seq) × tokens per second / the device's bf16 dense peak
    (from the catalogue): the weights' FLOPs and attention's (PaLM, appendix B).
 2. **CPU offload parity on CUDA** (offload moves nothing on CPU, so only here is it tested):
@@ -17,6 +21,9 @@ script keeps working between GPU sessions); its figures mean nothing.
 
     python benchmarks/gpu_check.py --json gpu_check.json          # on the GPU machine
     python benchmarks/gpu_check.py --tiny --json /tmp/tiny.json   # anywhere
+
+torchtitan on a machine without network: ``make gpu-wheels`` here, then carry ``.gpu_wheels`` and run
+``pip install --no-deps --no-index .gpu_wheels/*.whl`` there first (triton comes with a CUDA torch).
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ SYSTEMS = (
     "torch-fsdp2",
     "torch-fsdp2-compiled",
     "torch-fsdp2-compiled-fp8",
+    "torchtitan",
+    "torchtitan-compiled",
+    "torchtitan-compiled-fp8",
 )
 
 
@@ -74,9 +84,16 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
     """Median seconds per training step of ``name`` (after two warm-up steps)."""
     import tessera
 
-    model = llama(shape, seq, device)
     data = batches(shape, batch, seq, device, steps + 2)
     fp8 = name.endswith("fp8")  # bf16 around the blocks' float8 linears (emulated in tiny mode)
+    if name.startswith("torchtitan"):
+        import torchtitan_system
+
+        if (reason := torchtitan_system.available()) is not None:
+            raise RuntimeError(reason)
+        step = torchtitan_system.build(shape, seq, device, "compiled" in name, fp8, dtype)
+        return _median_step(step, data, device)
+    model = llama(shape, seq, device)
     if name.startswith("tessera-zero3"):
         compiled = "blocks" if "compiled" in name else "none"  # tiny mode: TESSERA_COMPILE_BACKEND=eager
         precision = {"precision": "fp8", "fp8_emulate": device.type != "cuda"} if fp8 else {"precision": dtype}
@@ -111,6 +128,11 @@ def run_system(name: str, shape: dict, seq: int, batch: int, steps: int, device:
             opt.step()
             opt.zero_grad()
 
+    return _median_step(step, data, device)
+
+
+def _median_step(step: Callable[[torch.Tensor], None], data: list[torch.Tensor], device: torch.device) -> float:
+    """Median seconds of ``step`` over ``data``, the first two steps (warm-up, compilation) left out."""
     times = []
     for i, tokens in enumerate(data):
         sync(device)
@@ -254,10 +276,13 @@ def main() -> None:
     if not cuda:  # tiny mode: dynamo's tracing without code generation (inductor on CPU takes minutes cold)
         os.environ.setdefault("TESSERA_COMPILE_BACKEND", "eager")
     start = time.monotonic()
+    import torchtitan_system
+
     out: dict[str, Any] = {
         "mode": "gpu" if cuda else "tiny cpu (figures mean nothing)",
         "dtype": dtype,
         "torch": torch.__version__,
+        "torchtitan": torchtitan_system.available() or f"torchtitan {torchtitan_system.VERSION} imported",
     }
 
     def write(partial: dict | None = None) -> None:  # after every figure: a run cut short keeps what it had
