@@ -322,6 +322,31 @@ def test_memory_verdict_sees_what_zero_and_recompute_save(costs: ModelCosts) -> 
     assert recompute.activations < plain / 2  # the logits of the last part are kept either way
 
 
+def test_selective_recompute_is_priced_between_none_and_full_for_the_blocks_the_runtime_recomputes(
+    costs: ModelCosts,
+) -> None:
+    """Every second block, as apply_recompute picks them: between none and full in memory and in both the
+    closed form's and the simulator's step time. "ops" is priced as none (an upper bound, said so)."""
+    from tessera.parallel.recompute import apply_recompute
+    from tessera.planner.layout import recomputes
+
+    model = Llama(LlamaConfig(vocab_size=64, dim=16, n_layers=5, n_heads=2, n_kv_heads=2, ffn_dim=32))
+    apply_recompute(list(model.layers), "selective")
+    wrapped = ["forward" in vars(block) for block in model.layers]  # a recomputed block's forward is replaced
+    assert wrapped == [recomputes("selective", i) for i in range(5)] == [True, False, True, False, True]
+
+    cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A10", "count": 2}]}]})
+    runs = {}
+    for mode in ("none", "selective", "full", "ops"):
+        layout = layout_from_plan(Hybrid(pp=2, microbatches=4, recompute=mode), cluster, costs, 8)
+        est = estimate(layout, costs)
+        runs[mode] = (est.memory[0].activations, est.step_s, simulate(layout, costs).step_s)
+    for measure in range(3):
+        none, selective, full = (runs[m][measure] for m in ("none", "selective", "full"))
+        assert min(none, full) < selective < max(none, full), (measure, runs)
+    assert runs["ops"] == runs["none"]
+
+
 def test_global_batch_smaller_than_every_data_parallel_size_is_refused(costs: ModelCosts) -> None:
     cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "T4", "count": 5}]}]})
     # 5 devices: 4 layers allow no pipeline of 5 and tp must divide 5, so dp = 5.

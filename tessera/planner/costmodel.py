@@ -33,8 +33,9 @@ same way an overlapping one would whenever communication is small, and says so w
 
 Memory per device: fp32 parameters, gradients and two Adam moments (16 bytes per parameter),
 divided over the data-parallel group by ZeRO stage, minus what offload keeps on the host; saved
-activations of the micro-batches a stage holds at once (1f1b: pp − s, gpipe: m; full recompute
-keeps only each layer's input); communication buffers. A device over its usable memory
+activations of the micro-batches a stage holds at once (1f1b: pp − s, gpipe: m; a recomputed block
+keeps only its input: every block under full recompute, every second under selective); communication
+buffers. A device over its usable memory
 (:data:`USABLE_MEMORY` of its capacity) makes the plan infeasible.
 
 Example:
@@ -58,6 +59,7 @@ from tessera.planner.layout import (
     grad_sync_s,
     op_times,
     optimizer_s,
+    recomputed_blocks,
 )
 
 INFEASIBLE = float("inf")  # the step time of a layout that does not fit
@@ -184,8 +186,9 @@ def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage
         held = 1  # accumulation: one micro-batch's activations at a time
     blocks = end - first
     block_act = costs.parts["block"].activation_bytes * b * costs.tp_activation_share(layout.tp)
-    if layout.recompute == "full":
-        activations = held * blocks * costs.boundary_bytes(b) + block_act
+    if recomputed := recomputed_blocks(layout.recompute, blocks):  # they keep their input; one block's
+        kept = recomputed * costs.boundary_bytes(b) + (blocks - recomputed) * block_act  # are rebuilt at once
+        activations = held * kept + block_act
     else:
         activations = held * blocks * block_act
     activations += held * costs.edge_activation_bytes(first, end) * b

@@ -112,12 +112,26 @@ class OpTimes:
     transfer: tuple[float, ...]  # stage s → s + 1 (the same back for the gradient)
 
 
+def recomputes(mode: str, index: int) -> bool:
+    """Whether a stage's ``index``-th block reruns its forward in the backward under ``Plan.recompute=mode``
+    (as :func:`~tessera.parallel.recompute.apply_recompute` picks them: ``"selective"`` every second block
+    from the first). ``"ops"`` reruns only element-wise work, which this model does not price: it is priced
+    as ``"none"`` (every activation kept: an upper bound; ``benchmarks/recompute_memory.py`` measured
+    0.57–0.66x of that kept, at 0.94–0.97x the speed)."""
+    return mode == "full" or (mode == "selective" and index % 2 == 0)
+
+
+def recomputed_blocks(mode: str, blocks: int) -> int:
+    """How many of a stage's ``blocks`` rerun their forward under ``Plan.recompute=mode``."""
+    return sum(recomputes(mode, i) for i in range(blocks))
+
+
 def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes:
     """Per-stage forward/backward seconds for one micro-batch of ``replica``, and transfer seconds.
 
     Compute is split evenly over the tp ranks; Megatron tensor parallelism adds two all-reduces
-    of the hidden states per block in forward and two in backward. Full recompute runs the
-    forward again inside backward.
+    of the hidden states per block in forward and two in backward. Recompute runs the recomputed
+    blocks' share of the forward again inside backward (all of it under full recompute).
     """
     b = replica.micro_batch
     hidden_bytes = costs.boundary_bytes(b)
@@ -128,8 +142,8 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
         wrappers = wrapper_s(layout, costs, first, end, unit.peak_tflops, b)
         f = compute + tp_comm + wrappers
         bwd = costs.backward_ratio * compute + tp_comm + wrappers
-        if layout.recompute == "full":
-            bwd += f
+        if recomputed := recomputed_blocks(layout.recompute, end - first):
+            bwd += f * recomputed / (end - first)
         forward.append(f)
         backward.append(bwd)
     # One transfer per micro-batch, between computes: each starts on an idle link, with its burst.

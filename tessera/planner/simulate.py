@@ -66,6 +66,7 @@ from tessera.planner.layout import (
     Layout,
     MixedLayout,
     gloo_broadcast_tree,
+    recomputes,
 )
 
 GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute precision
@@ -253,6 +254,9 @@ class _Step:
         last = None
         bucket = {"bytes": 0.0, "deps": [], "index": 0}
         gathered: dict[int, int] = {}  # unit -> its gather in this pass (the root serves embedding and head)
+        in_order = [p.name == "block" for p in self.parts[s]]  # each block's index in the stage, in pass order
+        block_index = [sum(in_order[:i]) for i in range(len(in_order))]
+        block_index = block_index if forward else block_index[::-1]
         for k, part in enumerate(parts):
             deps = list(after) if k == 0 else [last]
             if per_unit_gather:
@@ -264,7 +268,7 @@ class _Step:
                     gathered[part.unit] = self._fsdp_collective(key, "all_gather", s, size, prefetch, "gather", r)
                 deps.append(gathered[part.unit])
             seconds = ratio * self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
-            if not forward and layout.recompute == "full" and part.name == "block":
+            if not forward and part.name == "block" and recomputes(layout.recompute, block_index[k]):
                 seconds += self.costs.forward_s(part.name, spec.micro_batch, peak) / layout.tp
             seconds += self._wrappers_s(part, k == 0, peak, spec.micro_batch)
             computes.append(self.e.add((self.stream("compute", r, s),), deps, seconds=seconds))
