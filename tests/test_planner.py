@@ -237,19 +237,25 @@ def test_gloo_reduce_scatters_move_an_all_reduces_bytes(costs: ModelCosts) -> No
 @pytest.mark.parametrize("zero", [2, 3])
 def test_fsdp_without_streams_waits_for_every_collective(costs: ModelCosts, zero: int) -> None:
     """On gloo (a CPU has no streams) FSDP2 gathers and reduce-scatters on the compute thread: the step is
-    compute + every gather (ZeRO-3: in backward too) + every reduce-scatter (an all-reduce's bytes on
-    gloo) + the optimizer, to the event; with streams (NCCL) the same collectives hide behind compute."""
+    compute + every gather (ZeRO-3: the blocks' in backward too; the root stays gathered) + every
+    reduce-scatter (an all-reduce's bytes on gloo) + the optimizer, to the event; with streams (NCCL) the
+    same collectives hide behind compute."""
     link_gbs = 5.0
     nccl = layout_from_plan(Hybrid(zero=zero), _two_nodes(link_gbs), costs, 8)
     gloo = _on_gloo(nccl)
     params, units, latency = costs.stage_params(0, costs.n_layers), costs.n_layers + 1, 10e-6
-    gather = costs.act_bytes * params / 2 / (link_gbs * 1e9) + units * latency  # half arrives from the other rank
+    blocks = costs.n_layers * costs.parts["block"].params
+
+    def gather(size: float, units: int) -> float:  # half arrives from the other rank
+        return costs.act_bytes * size / 2 / (link_gbs * 1e9) + units * latency
+
     reduce_scatter = 4 * params / (link_gbs * 1e9) + units * 2 * latency  # gloo: all of it, two ring steps
     compute = _compute_s(costs, nccl, False) + _compute_s(costs, nccl, True)
     optimizer = 16 * params / 2 / (nccl.replicas[0].units[0].bandwidth_gbs * 1e9)
-    serial = compute + (zero - 1) * gather + reduce_scatter + optimizer
+    gathers = gather(params, units) + (gather(blocks, units - 1) if zero == 3 else 0.0)
+    serial = compute + gathers + reduce_scatter + optimizer
     assert simulate(gloo, costs).step_s == pytest.approx(serial, rel=1e-6)
-    assert simulate(nccl, costs).step_s < compute + optimizer + 0.7 * ((zero - 1) * gather + reduce_scatter / 2)
+    assert simulate(nccl, costs).step_s < compute + optimizer + 0.7 * (gathers + reduce_scatter / 2)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -515,17 +521,20 @@ def test_zero1_on_gloo_prices_each_owners_tree_not_a_ring(costs: ModelCosts) -> 
 
 def test_fsdp_collectives_per_unit_and_micro_batch_without_a_pipeline(costs: ModelCosts) -> None:
     """FSDP gathers every unit (each block, and the root) for each micro-batch's forward, and under
-    ZeRO-3 again for its backward, and reduce-scatters once: each collective half an all-reduce's
-    volume of its unit, and dp − 1 latencies."""
+    ZeRO-3 each block again for its backward (the root stays gathered), and reduce-scatters once: each
+    collective half an all-reduce's volume of its unit, and dp − 1 latencies."""
     from tessera.planner.layout import grad_sync_s
 
     cluster = Cluster.from_dict({"nodes": [{"name": "a", "devices": [{"type": "A10", "count": 4}]}]})
     link, n = cluster.links["intra_node"], costs.n_layers
     half_volume = 3 / 4 * 4 * costs.stage_params(0, n) / (link.bandwidth_gbs * 1e9)
     latencies = (n + 1) * 3 * link.latency_us * 1e-6
+    root = costs.stage_params(0, n) - n * costs.parts["block"].params
+    root_gather = 3 / 4 * 4 * root / (link.bandwidth_gbs * 1e9) + 3 * link.latency_us * 1e-6
     for zero, m, uses in ((2, 1, 2), (2, 4, 5), (3, 1, 3), (3, 4, 9)):
         layout = layout_from_plan(Hybrid(zero=zero, microbatches=m), cluster, costs, 16)
-        assert grad_sync_s(layout, costs, 0) == pytest.approx(uses * (half_volume + latencies), rel=1e-12), (zero, m)
+        want = uses * (half_volume + latencies) - (m * root_gather if zero == 3 else 0.0)
+        assert grad_sync_s(layout, costs, 0) == pytest.approx(want, rel=1e-12), (zero, m)
 
 
 # ------------------------------------------------------------------ the outer level (regions)

@@ -4,7 +4,7 @@ Engines (see docs/architecture.md for why):
     zero=0  torch DDP (torch's FSDP2-based ``replicate`` for tensor-parallel DTensor parameters)
     zero=1  the same for gradients + our ShardedOptimizer (optimizer state 1/N)
     zero=2  FSDP2 ``fully_shard(reshard_after_forward=False)``
-    zero=3  FSDP2 ``fully_shard`` (parameters resharded after forward)
+    zero=3  FSDP2 ``fully_shard`` (each block's parameters resharded after forward; the root's kept)
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def apply_data_parallel(
         fully_shard(unit, mesh=unit_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    # The root (embedding, head, final norm) stays gathered from its forward to its backward, which comes
+    # right after (FSDP2's own default for a root, and torchtitan's): resharding it would gather it again.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     return model
 
 

@@ -194,8 +194,9 @@ def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage
     activations += held * costs.edge_activation_bytes(first, end) * b
     if end == costs.n_layers:  # the loss: kept per micro-batch held, its gradients once
         activations += (held * costs.loss_saved_bytes + costs.loss_grad_bytes) * b
-    if zero == 3:  # one block's parameters gathered, and the next one prefetched
-        buffers = 2 * 4 * costs.parts["block"].params / layout.tp
+    if zero == 3:  # one block's parameters gathered and the next one prefetched; the root's kept gathered
+        root = costs.stage_params(first, end) - blocks * costs.parts["block"].params  # from forward to backward
+        buffers = 4 * (2 * costs.parts["block"].params + root) / layout.tp
     elif zero <= 1 and layout.pp == 1 and layout.tp == 1:
         buffers = 0.0  # DDP's buckets are the gradients themselves (gradient_as_bucket_view)
     else:

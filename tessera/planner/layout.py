@@ -192,8 +192,13 @@ def grad_sync_s(layout: Layout, costs: ModelCosts, stage: int) -> float:
         gathers = (2 if layout.zero == 3 else 1) * m if layout.pp == 1 else (2 if layout.zero == 3 else 1)
         steps = gathers * (dp - 1) + link.reduce_scatter_steps(dp)
         step_volume = grad_bytes / dp / (link.bandwidth_gbs * 1e9)
+        if layout.zero == 3:  # the backward's gathers leave the root out: it stays gathered from the forward
+            root = 4 * (costs.stage_params(first, end) - (end - first) * costs.parts["block"].params) / layout.tp
+            seconds_root = (gathers // 2) * (dp - 1) * (root / dp / (link.bandwidth_gbs * 1e9) + link.latency_us * 1e-6)
+        else:
+            seconds_root = 0.0
         units = end - first + 1
-        seconds = steps * (step_volume + units * link.latency_us * 1e-6)
+        seconds = steps * (step_volume + units * link.latency_us * 1e-6) - seconds_root
         if layout.pp == 1 and not link.has_streams:
             # gloo issues each unit's collectives on the compute thread, so the link idles while a unit computes
             # and the next collective starts with its burst (a shaper's bucket refilled meanwhile): once per

@@ -19,8 +19,9 @@ of what the runtime does, op by op:
   its binomial tree is a flow of its own, owner after owner; elsewhere one pipelined chain.
 - **FSDP** (ZeRO-2/3) unit by unit (each block, and the root holding embedding and head): the
   forward gathers each unit (in the compute precision) before its compute with one unit
-  prefetched; ZeRO-3 gathers again in backward; the last micro-batch reduce-scatters each unit
-  right after its backward, on a stream of its own, so gathers and reductions share the link.
+  prefetched; ZeRO-3 gathers each block again in backward (the root stays gathered); the last
+  micro-batch reduce-scatters each unit right after its backward, on a stream of its own, so
+  gathers and reductions share the link.
   Where a link has no streams (gloo: CPU tensors, :attr:`Link.has_streams`) FSDP2 issues each of
   them on the compute thread and waits: no prefetch, no overlap.
 - **Under a pipeline** the schedule runs backward itself: replicated gradients are averaged in
@@ -259,7 +260,7 @@ class _Step:
         block_index = block_index if forward else block_index[::-1]
         for k, part in enumerate(parts):
             deps = list(after) if k == 0 else [last]
-            if per_unit_gather:
+            if per_unit_gather and (forward or part.unit != 0):  # the root stays gathered for the backward
                 if part.unit not in gathered:
                     # one unit prefetched: unit k's gather may start once part k − 1 computes (k − 2 is done)
                     prefetch = [computes[k - 2]] if k >= 2 else list(after)
