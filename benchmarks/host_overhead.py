@@ -8,7 +8,9 @@ once; timed windows are interleaved; medians of the windows' seconds per step.
 - ``fully_shard by hand``: ``fully_shard`` per block and on the root, ``AdamW``, ``loss.backward()``;
 - ``tessera ZeRO-3``: ``Booster(Plan(zero=3))``, ``booster.backward``, the boosted optimizer;
 - ``tessera ZeRO-3, no traffic count``: the same with the collective counter's kernels removed, to show its
-  share.
+  share;
+- ``... compiled``: the first two with every block's forward compiled (by hand: ``torch.compile`` of each
+  block's forward before ``fully_shard``; Tessera: ``Plan(compile="blocks")``), compared with each other.
 
 ``--profile NAME`` prints cProfile's top functions for one configuration's steps.
 
@@ -43,10 +45,10 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def _tessera():
+def _tessera(compiled: bool = False):
     import tessera
 
-    booster = tessera.Booster(tessera.Plan(zero=3))
+    booster = tessera.Booster(tessera.Plan(zero=3, compile="blocks" if compiled else "none"))
     model = _model()
     model, opt = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -58,11 +60,13 @@ def _tessera():
     return step
 
 
-def _by_hand():
+def _by_hand(compiled: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
     for block in model.layers:
+        if compiled:
+            block.forward = torch.compile(block.forward, fullgraph=True)
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -91,7 +95,13 @@ CONFIGS = {  # name -> (build, traffic counter on while it runs)
     "fully_shard by hand": (_by_hand, False),
     "tessera ZeRO-3": (_tessera, True),
     "tessera ZeRO-3, no traffic count": (_tessera, False),
+    "fully_shard by hand, compiled": (lambda: _by_hand(compiled=True), False),
+    "tessera ZeRO-3, compiled": (lambda: _tessera(compiled=True), True),
 }
+BASELINE = {"fully_shard by hand": "fully_shard by hand", "tessera ZeRO-3": "fully_shard by hand",
+            "tessera ZeRO-3, no traffic count": "fully_shard by hand",
+            "fully_shard by hand, compiled": "fully_shard by hand, compiled",
+            "tessera ZeRO-3, compiled": "fully_shard by hand, compiled"}  # fmt: skip
 
 
 def measure(windows: int, steps: int, profiled: str | None) -> dict:
@@ -102,7 +112,8 @@ def measure(windows: int, steps: int, profiled: str | None) -> dict:
     for name, (build, counted) in CONFIGS.items():
         _counting(counted)
         built[name] = build()
-        built[name](x, y)  # warm-up
+        built[name](x, y)  # warm-up (and compilation)
+        built[name](x, y)
     per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for window in range(windows):
         names = list(CONFIGS)[window % len(CONFIGS) :] + list(CONFIGS)[: window % len(CONFIGS)]
@@ -138,14 +149,13 @@ def main() -> None:
 
     result = run_ranks(measure, args.ranks, args.windows, args.steps, args.profile, timeout_s=1800)[0]
     medians = {name: statistics.median(times) for name, times in result["per_step"].items()}
-    base = medians["fully_shard by hand"]
     shape = f"{FIELDS['n_layers']} blocks of dim {FIELDS['dim']}, batch {BATCH} x {SEQ}"
     print(f"{args.ranks} gloo rank(s), {shape}; median of {args.windows} windows of {args.steps} steps, "
           f"interleaved (torch {torch.__version__})")  # fmt: skip
-    print("| configuration | ms/step | vs fully_shard by hand |")
+    print("| configuration | ms/step | vs fully_shard by hand (eager or compiled, as it is) |")
     print("|---|---:|---:|")
     for name, seconds in medians.items():
-        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / base:.3f}x the time |")
+        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / medians[BASELINE[name]]:.3f}x the time |")
     if result["profile"]:
         print(result["profile"])
 
