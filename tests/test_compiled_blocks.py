@@ -47,7 +47,6 @@ OTHER_MODELS = {
                                                                             "schedule": "interleaved_1f1b"},
                                                           compile="blocks")),
     "lora zero2": ("lora", tessera.Plan(zero=2, compile="blocks")),  # peft's adapters in Hugging Face blocks
-    "lora tp2": ("lora", tessera.Plan(tp=2, compile="blocks")),  # ... split by the Hugging Face policy
 }  # fmt: skip
 
 

@@ -28,7 +28,6 @@ FP8 = {
     "zero3": tessera.Plan(precision="fp8", fp8_emulate=True, zero=3),  # weights all-gathered in float8
     "tp2 rowwise": tessera.Plan(precision="fp8", fp8_emulate=True, tp=2, fp8_recipe="rowwise"),
     "zero3 compiled": tessera.Plan(precision="fp8", fp8_emulate=True, zero=3, compile="blocks"),
-    "tp2 compiled": tessera.Plan(precision="fp8", fp8_emulate=True, tp=2, compile="blocks"),
 }
 
 
