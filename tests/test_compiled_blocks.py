@@ -1,8 +1,8 @@
 """Compiled blocks (issue 34, item 1; Plan.compile="blocks"): each block's forward compiled on its own with
 torch.compile (inductor's CPU backend here), in DDP, ZeRO-1/2/3, tensor parallel (with split/gather sequence
 parallelism and loss parallelism), Ulysses, pipeline and every-step groups layouts (replicas: test_replicas), on
-the reference Llama and a Hugging Face Llama with peft's LoRA, trains like one eager process (fp32), and bf16
-compiled as close to fp32 training as bf16 eager.
+the reference Llama, a Hugging Face Llama with peft's LoRA and a Hugging Face Llama loaded from saved weights,
+trains like one eager process (fp32), and bf16 compiled as close to fp32 training as bf16 eager.
 
 Tolerance: the parity tests' own (fp32, rtol 1e-5, atol 1e-5). Inductor fuses and reorders float operations
 inside a block (its generated kernels, not ATen's), so results differ from eager in the last bits (logits
@@ -11,9 +11,11 @@ launch, and run first so the single-process tests below find their graphs in ind
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from parity import SEQ, VOCAB, compare_cases, reference_run, tessera_run
+from parity import PRETRAINED, SEQ, VOCAB, build_model, compare_cases, reference_run, tessera_run
 
 import tessera
 from tessera.errors import NotSupportedYet
@@ -81,7 +83,7 @@ BF16 = {  # compiled bf16 against eager bf16 of the same layout (both against fp
 EAGER = {"tp2 eager": tessera.Plan(tp=2)}  # what the traffic counter counts of tp2 without compiling
 
 
-def test_compiled_blocks_train_like_one_process_in_data_parallel_and_pipeline_layouts() -> None:
+def test_compiled_blocks_train_like_one_process_in_data_parallel_and_pipeline_layouts(tmp_path: Path) -> None:
     """fp32: each compiled layout equals one eager process (1e-5). bf16: no fixed tolerance holds, as bf16
     rounds at every op and inductor fuses ops eager rounds between; so a compiled bf16 run must stay as close
     to fp32 training (plain PyTorch, one process) as the eager bf16 run of the same layout does (within 2x
@@ -91,13 +93,24 @@ def test_compiled_blocks_train_like_one_process_in_data_parallel_and_pipeline_la
 
     cases = [(f"llama {name} compiled", plan.to_dict(), "llama", None) for name, plan in COMPILED.items()]
     cases += [(f"{name} compiled", plan.to_dict(), kind, None) for name, (kind, plan) in OTHER_MODELS.items()]
+    # pretrained weights (Tessera's loading: parameters on meta, filled before the first call compiles), under tp
+    build_model("hf_llama").save_pretrained(str(tmp_path / "hf_llama"))
+    pretrained = (f"{PRETRAINED}{tmp_path / 'hf_llama'}", tessera.Plan(tp=2, compile="blocks"))
+    cases.append(("pretrained tp2 compiled", pretrained[1].to_dict(), pretrained[0], None))
     fp32 = len(cases)
     cases += [(f"llama {name}", plan.to_dict(), "llama", None) for name, plan in {**BF16, **EAGER}.items()]
     # the layouts the tests of one process do not show compiled (a wrapper that skipped compiling in them would
     # still train like one process)
     profiled = [
         f"{name} compiled"
-        for name in [*OTHER_MODELS, "llama pp2 1f1b", "llama tp2", "llama ulysses sp2", "llama groups every step"]
+        for name in [
+            *OTHER_MODELS,
+            "llama pp2 1f1b",
+            "llama tp2",
+            "llama ulysses sp2",
+            "llama groups every step",
+            "pretrained tp2",
+        ]
     ]
     results = run_ranks(compiled_cases_worker, 2, cases, GLOBAL_BATCH, STEPS, profiled, timeout_s=600)[0]
     assert results["graphs"] > 0, "no block was compiled"

@@ -55,7 +55,7 @@ def test_one_process_loads_the_same_logits_and_keeps_tied_weights_tied(tmp_path:
 
 
 def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path) -> None:
-    """4 ranks: DDP, ZeRO-1/2/3, ZeRO-3 offloaded, dp2 × tp2 under ZeRO-3 (eager and compiled blocks), dp2 × pp2,
+    """4 ranks: DDP, ZeRO-1/2/3, ZeRO-3 offloaded, dp2 × tp2 under ZeRO-3 (compiled: test_compiled_blocks), dp2 × pp2,
     dp2 × Ulysses sp2, and replicas of depth 1 and 3; and LoRA adapters under dp × tp, dp × pp and tp × pp
     (against peft on one process), and experts under ep2 × dp2 with DDP and ZeRO-3 (each expert's gradient
     summed over its 2 holders) and pp2 × ep2 with 2 micro-batches (expert gradients reduced once, after the
@@ -65,7 +65,6 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
     plans = {
         **PRESETS,  # DDP, ZeRO-1/2/3, ZeRO-3 offloaded
         "dp2 x tp2 zero3": tessera.Plan(tp=2, zero=3),
-        "dp2 x tp2 zero3 compiled": tessera.Plan(tp=2, zero=3, compile="blocks"),  # filled before the first call
         "dp2 x pp2": tessera.Plan(pp=2, pipeline={"microbatches": 2}),
         "dp2 x sp2": tessera.Plan(sp=2),
         "replicas of depth 1 and 3": tessera.Plan(
@@ -90,8 +89,7 @@ def test_pretrained_weights_train_like_the_original_in_every_layout(saved: Path)
     }
     cases = [(name, plan.to_dict(), kind, None) for name, plan in plans.items()]
     cases += [(name, plan.to_dict(), model, None) for name, (plan, model) in others.items()]
-    results = check_cases(4, cases, GLOBAL_BATCH, STEPS)
-    assert results["dp2 x tp2 zero3 compiled"]["compiled_graphs"] > 0, "the compiled case ran eager"
+    check_cases(4, cases, GLOBAL_BATCH, STEPS)
 
 
 def _rewrite(path: Path, change) -> None:
