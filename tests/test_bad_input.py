@@ -71,10 +71,10 @@ CASES = [
     ),
     ("negative-peak", with_change("train.peak_tflops", {"cpu": -1.0}), [], "train.peak_tflops"),
     (
-        "compiled-experts",
-        {**GOOD, "model": {**GOOD["model"], "moe": {"experts": 4}}, "plan": {"compile": "blocks"}},
+        "compiled-expert-parallel",
+        {**GOOD, "model": {**GOOD["model"], "moe": {"experts": 4}}, "plan": {"compile": "blocks", "ep": 2}},
         [],
-        "with a model with experts",
+        "Plan.compile='blocks' with Plan.ep=2",
     ),
     ("nproc-too-many-for-batch", with_change("train.global_batch_size", 1), [], "global_batch_size"),
 ]

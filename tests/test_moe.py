@@ -59,7 +59,8 @@ def test_every_token_goes_through_its_top_k_experts_weighted_by_their_scores(spe
 @pytest.mark.parametrize("counts", [[5, 0, 9, 2], [0, 0, 16, 0]], ids=["uneven, one expert idle", "one expert only"])
 def test_the_grouped_gemm_gives_the_loop_s_values_and_gradients(monkeypatch: pytest.MonkeyPatch, counts: list) -> None:
     """torch's grouped GEMM (F.grouped_mm, on CPU too in torch 2.13) and the loop of products agree in the
-    output and in both operands' gradients, experts without rows included; misaligned rows take the loop."""
+    output and in both operands' gradients, experts without rows included; misaligned rows take the loop.
+    So does the operator compiled blocks see (``tessera::grouped_matmul``, with its own backward), either way."""
     from tessera.models import moe
 
     torch.manual_seed(0)
@@ -67,14 +68,16 @@ def test_the_grouped_gemm_gives_the_loop_s_values_and_gradients(monkeypatch: pyt
     upstream = torch.randn(16, 8)
     assert moe.can_group(rows, weights) and not moe.can_group(torch.randn(16, 6), torch.randn(4, 6, 8))
     results = []
-    for grouped in (True, False):
+    products = (moe.grouped_matmul, torch.ops.tessera.grouped_matmul)
+    for grouped, product in [(g, p) for g in (True, False) for p in products]:
         monkeypatch.setattr(moe, "GROUPED", grouped)
         x, w = rows.clone().requires_grad_(), weights.clone().requires_grad_()
-        out = moe.grouped_matmul(x, w, counts)
+        out = product(x, w, counts)
         (out * upstream).sum().backward()
         results.append((out.detach(), x.grad, w.grad))
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not results[0][2][1].any()  # the idle expert gets no gradient
 
 

@@ -269,10 +269,6 @@ def _check_shapes(cfg: Config, plans: list[Plan]) -> None:
 
 def _check_experts(cfg: Config, plan: Plan) -> None:
     experts, have = _experts_of(cfg.model)
-    if experts and plan.compile != "none":
-        from tessera.parallel.compile import COMPILED_EXPERTS
-
-        raise ConfigError(f"{COMPILED_EXPERTS} ({have})")
     if plan.expert_shares is not None and experts and sum(plan.expert_shares) != experts:
         raise ConfigError(
             f"plan.expert_shares={list(plan.expert_shares)} sum to {sum(plan.expert_shares)}, but the model has "

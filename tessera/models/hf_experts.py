@@ -35,7 +35,8 @@ def is_hf_experts(module: nn.Module) -> bool:
 def through_dispatch(module: nn.Module) -> None:
     """Give ``module`` what Tessera's expert machinery reads (``stacked_weights``, ``ep_group``,
     ``grad_scale``) and a forward that goes through :func:`~tessera.models.moe.dispatch` once expert
-    parallelism set ``ep_group`` or a layout set ``grad_scale`` (transformers' own forward until then)."""
+    parallelism set ``ep_group``, a layout set ``grad_scale`` or in a compiled block (transformers' own
+    forward otherwise)."""
     if hasattr(module, "stacked_weights"):
         return
     module.stacked_weights = HF_WEIGHTS
@@ -50,7 +51,8 @@ def through_dispatch(module: nn.Module) -> None:
 def _forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    if self.ep_group is None and self.grad_scale == 1.0:
+    # transformers' forward loops over the experts that got tokens (a count known at run time: no graph)
+    if self.ep_group is None and self.grad_scale == 1.0 and not torch.compiler.is_compiling():
         return self.own_forward(hidden_states, top_k_index, top_k_weights)
     experts = self.rows_through
     return dispatch(

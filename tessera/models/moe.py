@@ -68,20 +68,35 @@ class MoESpec:
 
 
 class AttachLoss(torch.autograd.Function):
-    """``output`` unchanged; its backward also sends ``layer.loss_scale`` into ``loss`` (read then: the
-    multiplier the runtime gives the batch loss of that backward), so a loss computed inside a layer trains
-    without the caller adding it to theirs, in every layout."""
+    """``output`` unchanged; its backward also sends ``scale`` into ``loss``: a one-element tensor read then,
+    not when the forward ran (the layer's ``loss_scale``, which the runtime sets between the two to the
+    multiplier of the batch loss in that backward), so a loss computed inside a layer trains without the
+    caller adding it to theirs, in every layout. A tensor read by an operator of its own
+    (:func:`_read_at_backward`): a compiled block's backward is traced with its forward, and would keep a
+    number as the constant it was then, or compute a value that depends on the forward's inputs alone in
+    the forward (AOTAutograd's partitioner moves such work there)."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        ctx.save_for_backward(loss)
-        ctx.layer = layer
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        ctx.scale = scale  # not saved for backward: that would refuse the runtime's later fill_
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.layer.loss_scale), None
+        return grad, _read_at_backward(ctx.scale, grad).expand(ctx.loss_shape), None
+
+
+@torch.library.custom_op("tessera::read_at_backward", mutates_args=())
+def _read_at_backward(value: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` as it is once ``after`` exists: an operator no compiler looks into, so a traced
+    backward reads ``value`` when it runs (``after``, a tensor of that backward, fixes the order)."""
+    return value.clone()
+
+
+@_read_at_backward.register_fake
+def _(value: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(value)
 
 
 class MoE(nn.Module):
@@ -97,7 +112,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e))  # saved: part of the routing
         self.register_buffer("load", torch.zeros(e), persistent=False)  # routed slots since the last bias step
         self.balance_group: dist.ProcessGroup | None = None  # ranks whose tokens make one batch
-        self.loss_scale = 1.0  # the runtime's multiplier of the batch loss in the coming backward
+        # the runtime's multiplier of the batch loss in the coming backward (:attr:`loss_scale`)
+        self.register_buffer("loss_multiplier", torch.ones(()), persistent=False)
         self.tokens_per_expert = torch.zeros(e, dtype=torch.long)  # this rank's last call
         self.routed = torch.zeros(e)  # the whole batch's routed slots per expert, at the last optimizer step
         self.balance_loss = torch.zeros(())  # the whole batch's balance loss, at the last training call
@@ -114,8 +130,17 @@ class MoE(nn.Module):
             self.load += counts.detach().to(self.load.dtype)
         if self.spec.aux_loss_weight and self.training and torch.is_grad_enabled():
             loss = self.balance(scores, counts)
-            out = AttachLoss.apply(out, loss * self.spec.aux_loss_weight, self)
+            out = AttachLoss.apply(out, loss * self.spec.aux_loss_weight, self.loss_multiplier)
         return out.reshape(x.shape)
+
+    @property
+    def loss_scale(self) -> float:
+        """What the coming backward multiplies this layer's balance loss by (the batch loss's multiplier)."""
+        return float(self.loss_multiplier)
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_multiplier.fill_(value)  # in place: a backward already traced reads it when it runs
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every expert's score of each token (tokens × experts), the ``top_k`` chosen, and their weights."""
@@ -267,7 +292,14 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``rows`` grouped by expert (``counts[e]`` rows for expert e, in order) times each one's matrix
     (``weights[e]``: in × out): torch's grouped GEMM (one kernel for every expert) where it runs, a loop of
-    products elsewhere. Both give the same values and gradients (tests/test_moe.py)."""
+    products elsewhere. Both give the same values and gradients (tests/test_moe.py). Under ``torch.compile``
+    it is one opaque operator of the compiled graph (:func:`_compiled_grouped_matmul`)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tessera.grouped_matmul(rows, weights, counts)
+    return _eager_grouped_matmul(rows, weights, counts)
+
+
+def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if can_group(rows, weights):
         offsets = torch.cumsum(counts, 0).to(device=rows.device, dtype=torch.int32)
         return F.grouped_mm(rows, weights, offs=offsets)
@@ -276,6 +308,55 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tens
         out.append(rows[start : start + count] @ weights[expert])
         start += count
     return torch.cat(out) if out else rows.new_zeros(0, weights.shape[-1])
+
+
+# Compiled blocks with experts: each expert's row count is known only at run time, and torch 2.13 traces
+# F.grouped_mm in bf16 only (its meta function), so inside a compiled block the grouped GEMM is an operator of
+# its own, run by its eager kernel: the graph keeps static shapes (rows in, rows out) around it, and no step
+# recompiles when the routing changes.
+@torch.library.custom_op("tessera::grouped_matmul", mutates_args=())
+def _compiled_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return _eager_grouped_matmul(rows, weights, counts)
+
+
+@_compiled_grouped_matmul.register_fake
+def _(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weights.shape[-1])
+
+
+@torch.library.custom_op("tessera::grouped_weight_grad", mutates_args=())
+def _grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each expert's weight gradient (experts × in × out): its rows transposed times its rows' gradients."""
+    if can_group(rows, grad):  # one kernel, grouped over the rows (torch's own backward of F.grouped_mm)
+        offsets = torch.cumsum(counts, 0).to(device=rows.device, dtype=torch.int32)
+        return F.grouped_mm(rows.t(), grad, offs=offsets)
+    out, start = rows.new_zeros(len(counts), rows.shape[-1], grad.shape[-1]), 0
+    for expert, count in enumerate(counts.tolist()):
+        out[expert] = rows[start : start + count].T @ grad[start : start + count]
+        start += count
+    return out
+
+
+@_grouped_weight_grad.register_fake
+def _(rows: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(counts.shape[0], rows.shape[-1], grad.shape[-1])
+
+
+def _grouped_setup(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    rows, weights, counts = ctx.saved_tensors
+    grad = grad.contiguous()
+    return (
+        _compiled_grouped_matmul(grad, weights.transpose(-2, -1).contiguous(), counts),
+        _grouped_weight_grad(rows, grad, counts),
+        None,
+    )
+
+
+_compiled_grouped_matmul.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 
 
 def can_group(rows: torch.Tensor, weights: torch.Tensor) -> bool:

@@ -26,12 +26,6 @@ from tessera.errors import PlanError
 # The torch.compile backend (inductor unless set): "aot_eager" tells a compiler bug from a graph problem, and
 # "eager" (dynamo's tracing alone) lets the GPU script's CPU mode run without minutes of C++ compilation.
 BACKEND_ENV = "TESSERA_COMPILE_BACKEND"
-# Why a model with experts is refused: its token routing gives each expert a count known only at run time.
-COMPILED_EXPERTS = (
-    "Plan.compile='blocks' with a model with experts (MoE) is not supported yet: each expert's token count is "
-    "known only at run time (a new shape every step), and the grouped GEMM has no CPU kernel under compile "
-    "outside bf16; use compile='none'."
-)
 
 
 def apply_compile(blocks: list[nn.Module], mode: str) -> None:

@@ -339,8 +339,8 @@ class Plan:
 
     def _check_compilable(self) -> None:
         """Compiled blocks run (and are tested for parity) in every layout but these: fp16's loss scaling, the
-        zero-bubble schedules' split backward, and experts (``ep``; a model with experts is refused where it is
-        laid out, :func:`apply_compile`)."""
+        zero-bubble schedules' split backward, and expert parallelism (``ep``: its all-to-all sizes are known
+        only at run time). Models with experts compile, their grouped GEMM an operator of the graph."""
         unsupported = {"ep": self.ep > 1, "precision": self.precision == "fp16"}
         other = self._fields_in_use(unsupported)
         if self.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:  # their weight-gradient pass
@@ -349,8 +349,8 @@ class Plan:
             raise NotSupportedYet(
                 f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
                 "with DDP, ZeRO-1/2/3 (offload too), tensor and sequence parallelism, pipeline stages (gpipe, "
-                "1f1b, interleaved_1f1b, looped_bfs), replicas and groups, in fp32, bf16 or fp8; use "
-                "compile='none' for the others."
+                "1f1b, interleaved_1f1b, looped_bfs), replicas and groups, models with experts (without ep), in "
+                "fp32, bf16 or fp8; use compile='none' for the others."
             )
 
     def _check_float8(self) -> None:

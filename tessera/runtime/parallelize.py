@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tessera.errors import NotSupportedYet, PlanError
+from tessera.errors import PlanError
 from tessera.models import pretrained
 from tessera.models.hf_experts import expert_modules
 from tessera.parallel import data_parallel
-from tessera.parallel.compile import COMPILED_EXPERTS, apply_compile
+from tessera.parallel.compile import apply_compile
 from tessera.parallel.experts import average_expert_grads, shard_experts
 from tessera.parallel.float8 import apply_float8, fp8_problem
 from tessera.parallel.policy import Policy
@@ -64,8 +64,6 @@ def parallelize(
             module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
     experts, own = expert_modules(module), []
-    if experts and plan.compile != "none":
-        raise NotSupportedYet(COMPILED_EXPERTS)
     # FSDP, and torch's FSDP-based replicate that stands for DDP under tp, take the experts as units of their own
     by_units = fsdp or (plan.tp > 1 and plan.pp == 1)
     if plan.ep > 1:
