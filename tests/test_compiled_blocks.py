@@ -2,7 +2,7 @@
 torch.compile (inductor's CPU backend here), in DDP, ZeRO-1/2/3, tensor parallel (with split/gather sequence
 parallelism and loss parallelism), Ulysses, pipeline and every-step groups layouts (replicas: test_replicas), on
 the reference Llama (with experts too), a Hugging Face Llama with peft's LoRA and one loaded from saved weights,
-trains like one eager process (fp32), and bf16 compiled as close to fp32 training as bf16 eager.
+trains like one eager process (fp32), and bf16 and fp16 compiled as close to fp32 training as eager in them.
 
 Tolerance: the parity tests' own (fp32, rtol 1e-5, atol 1e-5). Inductor fuses and reorders float operations
 inside a block (its generated kernels, not ATen's), so results differ from eager in the last bits (logits
@@ -48,6 +48,10 @@ OTHER_MODELS = {
     "llama:4 pp2 interleaved_1f1b": ("llama:4", tessera.Plan(pp=2, pipeline={"microbatches": 2,
                                                                             "schedule": "interleaved_1f1b"},
                                                           compile="blocks")),
+    # a split-backward schedule: its input pass runs the compiled blocks' whole backward
+    "llama:4 pp2 zbv_zero_bubble": ("llama:4", tessera.Plan(pp=2, pipeline={"microbatches": 2,
+                                                                           "schedule": "zbv_zero_bubble"},
+                                                         compile="blocks")),
     "lora zero2": ("lora", tessera.Plan(zero=2, compile="blocks")),  # peft's adapters in Hugging Face blocks
     "moe zero3": ("moe_llama", tessera.Plan(zero=3, compile="blocks")),  # the balance loss's all-reduce inside
 }  # fmt: skip
@@ -64,6 +68,8 @@ def compiled_cases_worker(cases: list[tuple], global_batch: int, steps: int, pro
 
     from tessera import traffic
 
+    # every case compiles the same block code for another layout: more than dynamo's 8 per code object
+    torch._dynamo.config.recompile_limit = 64
     results = {}
     for name, plan, kind, _ in cases:  # no forward-only pass: one more graph (25 s cold here) for the suite
         traffic.take()
@@ -80,6 +86,8 @@ BF16 = {  # compiled bf16 against eager bf16 of the same layout (both against fp
     "zero2 bf16 eager": tessera.Plan(zero=2, precision="bf16"),
     "zero2 bf16 compiled": tessera.Plan(zero=2, precision="bf16", compile="blocks"),
     "ddp bf16 compiled": tessera.Plan(precision="bf16", compile="blocks"),
+    "zero2 fp16 eager": tessera.Plan(zero=2, precision="fp16"),  # dynamic loss scaling around compiled blocks
+    "zero2 fp16 compiled": tessera.Plan(zero=2, precision="fp16", compile="blocks"),
 }
 EAGER = {"tp2 eager": tessera.Plan(tp=2)}  # what the traffic counter counts of tp2 without compiling
 
@@ -121,11 +129,16 @@ def test_compiled_blocks_train_like_one_process_in_data_parallel_and_pipeline_la
     # tp's collectives run inside the compiled blocks: counted when they run, not when the graph is traced
     assert results["llama tp2 compiled"]["bytes"] == results["llama tp2 eager"]["bytes"] > 0
     fp32 = reference_run("llama", GLOBAL_BATCH, STEPS)
-    eager = _distance(results["llama zero2 bf16 eager"], fp32)
-    for name in ("zero2 bf16 compiled", "ddp bf16 compiled"):
-        compiled = _distance(results[f"llama {name}"], fp32)
+    for name, eager_name in [
+        ("zero2 bf16 compiled", "zero2 bf16 eager"),
+        ("ddp bf16 compiled", "zero2 bf16 eager"),
+        ("zero2 fp16 compiled", "zero2 fp16 eager"),
+    ]:
+        compiled, eager = _distance(results[f"llama {name}"], fp32), _distance(results[f"llama {eager_name}"], fp32)
+        if "fp16" in name:  # its gradients are recorded loss-scaled (×65536), so only loss and weights compare
+            compiled, eager = (compiled[0], compiled[2]), (eager[0], eager[2])
         assert all(c <= 2 * e for c, e in zip(compiled, eager)), f"{name}: {compiled} from fp32, eager {eager}"
-        assert compiled[2] > 1e-4, f"{name} trained like fp32: is autocast applied under compile?"
+        assert compiled[-1] > 1e-4, f"{name} trained like fp32: is autocast applied under compile?"
 
 
 def _distance(run: dict, fp32: dict) -> tuple[float, float, float]:
@@ -207,12 +220,7 @@ def test_compilations_that_keep_coming_are_warned_of_once(monkeypatch: pytest.Mo
 @pytest.mark.parametrize(
     "plan,named",
     [
-        (
-            tessera.Plan(pp=2, pipeline={"microbatches": 4, "schedule": "zbv_zero_bubble"}, compile="blocks"),
-            "Plan.pipeline.schedule='zbv_zero_bubble'",
-        ),
         (tessera.Plan(ep=2, compile="blocks"), "Plan.ep=2"),
-        (tessera.Plan(zero=2, precision="fp16", compile="blocks"), "Plan.precision='fp16'"),
     ],
 )
 def test_what_does_not_compile_yet_is_refused_by_name(plan: tessera.Plan, named: str) -> None:

@@ -218,6 +218,11 @@ def check_microbatches(batch_size: int, microbatches: int) -> None:
         )
 
 
+def _nothing_left() -> Callable[[], None]:
+    """The weight pass of a stage whose input pass already ran the whole backward."""
+    return lambda: None
+
+
 class PipelineRunner:
     """One training step over the micro-batches of a batch, with the Plan's schedule."""
 
@@ -228,11 +233,16 @@ class PipelineRunner:
         n_stages: int,
         group: dist.ProcessGroup,
         device: torch.device,
+        compiled: bool = False,
     ) -> None:
         self.spec = spec
         self.group = group
+        # A compiled block's backward is one graph giving its input's and its weights' gradients together, so
+        # the split schedules' input pass (which walks autograd's nodes to stop before the weights) cannot part
+        # them: with compiled blocks the input pass is the whole backward and the weight pass has nothing left.
+        whole = compiled and spec.schedule in SPLIT_BACKWARD_SCHEDULES
         self.stages = [
-            PipelineStage(module, i, n_stages, device, group=group)
+            PipelineStage(module, i, n_stages, device, group=group, dw_builder=_nothing_left if whole else None)
             for i, module in zip(model.stage_ids, model.stage_modules)
         ]
         self.holds_first = 0 in model.stage_ids
@@ -240,7 +250,7 @@ class PipelineRunner:
         last_owner = stage_owners(dist.get_world_size(group), n_stages, spec.schedule)[n_stages - 1]
         self.last_rank = dist.get_global_rank(group, last_owner)
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        if spec.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if spec.schedule in SPLIT_BACKWARD_SCHEDULES and not whole:
             warnings.warn(
                 f"schedule {spec.schedule!r}: under torch 2.13 its split backward leaves saved activations alive "
                 "after every step when a stage's graph holds views or aliases (attention, norms); memory grows "

@@ -33,7 +33,6 @@ from tessera.plan.checks import (
     RECOMPUTE,
     SINGLE_STAGE_SCHEDULES,
     SP_MODES,
-    SPLIT_BACKWARD_SCHEDULES,
     check_choice,
     check_int,
     check_positive_ints,
@@ -77,8 +76,7 @@ class Plan:
         compile: ``"none"`` (eager) or ``"blocks"``: each repeated block's forward compiled on its own with
             ``torch.compile`` (regional compilation: one compilation serves every block of a type, so
             compile time does not grow with depth), after tensor parallelism and recompute, before data
-            parallelism. Every layout but the zero-bubble schedules, in fp32, bf16 or fp8; fp16 and models
-            with experts are refused by name.
+            parallelism. Every layout and precision but expert parallelism (``ep``), refused by name.
         loss_parallel: with tp, keep the logits split over the vocabulary (a DTensor) and compute
             the cross-entropy on the shards under ``booster.loss_parallel()``: full logits are
             never gathered.
@@ -338,19 +336,17 @@ class Plan:
         return [f"Plan.{name}={getattr(self, name)!r}" for name, on in used.items() if on]
 
     def _check_compilable(self) -> None:
-        """Compiled blocks run (and are tested for parity) in every layout but these: fp16's loss scaling, the
-        zero-bubble schedules' split backward, and expert parallelism (``ep``: its all-to-all sizes are known
-        only at run time). Models with experts compile, their grouped GEMM an operator of the graph."""
-        unsupported = {"ep": self.ep > 1, "precision": self.precision == "fp16"}
-        other = self._fields_in_use(unsupported)
-        if self.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:  # their weight-gradient pass
-            other.append(f"Plan.pipeline.schedule={self.pipeline.schedule!r}")  # needs eager autograd nodes
+        """Compiled blocks run (and are tested for parity) in every layout but expert parallelism (``ep``: its
+        all-to-all sizes are known only at run time). Models with experts compile, their grouped GEMM an
+        operator of the graph; the split-backward schedules run the compiled blocks' whole backward in their
+        input pass."""
+        other = self._fields_in_use({"ep": self.ep > 1})
         if other:
             raise NotSupportedYet(
                 f"Plan.compile={self.compile!r} with {', '.join(other)} is not supported yet: compiled blocks run "
-                "with DDP, ZeRO-1/2/3 (offload too), tensor and sequence parallelism, pipeline stages (gpipe, "
-                "1f1b, interleaved_1f1b, looped_bfs), replicas and groups, models with experts (without ep), in "
-                "fp32, bf16 or fp8; use compile='none' for the others."
+                "in every other layout (DDP, ZeRO-1/2/3 with offload, tensor and sequence parallelism, pipeline "
+                "stages with every schedule, replicas and groups, models with experts without ep), in every "
+                "precision; use compile='none' with expert parallelism."
             )
 
     def _check_float8(self) -> None:

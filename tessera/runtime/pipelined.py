@@ -69,7 +69,9 @@ class PipelineEngine(Engine):
         pipeline_model = PipelineModel(stages)
         tied = [n for n in names if len(n) > 1]
         self.tied = TiedWeights(tied, pipeline_model, layout, ranges, plan.pipeline.schedule, ctx.meshes.mesh)
-        self.runner = PipelineRunner(pipeline_model, plan.pipeline, len(ranges), pp_mesh.get_group(), ctx.device)
+        self.runner = PipelineRunner(
+            pipeline_model, plan.pipeline, len(ranges), pp_mesh.get_group(), ctx.device, plan.compile != "none"
+        )
         return pipeline_model
 
     def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:

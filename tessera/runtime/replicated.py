@@ -59,7 +59,7 @@ class ReplicasEngine(Engine):
         if replica.depth > 1:
             assert isinstance(local, PipelineModel) and self.group is not None
             spec = dataclasses.replace(plan.pipeline, stages=replica.stages)
-            self.runner = PipelineRunner(local, spec, replica.depth, self.group, ctx.device)
+            self.runner = PipelineRunner(local, spec, replica.depth, self.group, ctx.device, plan.compile != "none")
         self.layer_sync = LayerSync(plan, names, local, layout, ctx.hooks.before_all_reduce)
         return local
 
