@@ -10,7 +10,12 @@ once; timed windows are interleaved; medians of the windows' seconds per step.
 - ``tessera ZeRO-3, no traffic count``: the same with the collective counter's kernels removed, to show its
   share;
 - ``... compiled``: the first two with every block's forward compiled (by hand: ``torch.compile`` of each
-  block's forward before ``fully_shard``; Tessera: ``Plan(compile="blocks")``), compared with each other.
+  block's forward before ``fully_shard``; Tessera: ``Plan(compile="blocks")``), compared with each other;
+- ``..., a second copy``: fully_shard by hand built again, timed as another configuration: how far two copies
+  of identical code land apart on this machine, the floor under any ratio here.
+
+Each window's time is divided by the same window's baseline (adjacent in time, so slow drift of the machine
+cancels), and the median and quartiles of those ratios are reported.
 
 ``--profile NAME`` prints cProfile's top functions for one configuration's steps.
 
@@ -93,15 +98,14 @@ def _counting(on: bool) -> None:
 
 CONFIGS = {  # name -> (build, traffic counter on while it runs)
     "fully_shard by hand": (_by_hand, False),
+    "fully_shard by hand, a second copy": (_by_hand, False),  # the noise floor: same code, built twice
     "tessera ZeRO-3": (_tessera, True),
     "tessera ZeRO-3, no traffic count": (_tessera, False),
     "fully_shard by hand, compiled": (lambda: _by_hand(compiled=True), False),
+    "fully_shard by hand, compiled, a second copy": (lambda: _by_hand(compiled=True), False),
     "tessera ZeRO-3, compiled": (lambda: _tessera(compiled=True), True),
 }
-BASELINE = {"fully_shard by hand": "fully_shard by hand", "tessera ZeRO-3": "fully_shard by hand",
-            "tessera ZeRO-3, no traffic count": "fully_shard by hand",
-            "fully_shard by hand, compiled": "fully_shard by hand, compiled",
-            "tessera ZeRO-3, compiled": "fully_shard by hand, compiled"}  # fmt: skip
+BASELINE = {name: "fully_shard by hand, compiled" if "compiled" in name else "fully_shard by hand" for name in CONFIGS}
 
 
 def measure(windows: int, steps: int, profiled: str | None) -> dict:
@@ -148,14 +152,19 @@ def main() -> None:
     from tessera.testing import run_ranks
 
     result = run_ranks(measure, args.ranks, args.windows, args.steps, args.profile, timeout_s=1800)[0]
-    medians = {name: statistics.median(times) for name, times in result["per_step"].items()}
+    per_step = result["per_step"]
     shape = f"{FIELDS['n_layers']} blocks of dim {FIELDS['dim']}, batch {BATCH} x {SEQ}"
-    print(f"{args.ranks} gloo rank(s), {shape}; median of {args.windows} windows of {args.steps} steps, "
-          f"interleaved (torch {torch.__version__})")  # fmt: skip
-    print("| configuration | ms/step | vs fully_shard by hand (eager or compiled, as it is) |")
-    print("|---|---:|---:|")
-    for name, seconds in medians.items():
-        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / medians[BASELINE[name]]:.3f}x the time |")
+    print(f"{args.ranks} gloo rank(s), {shape}; {args.windows} windows of {args.steps} steps, interleaved "
+          f"(torch {torch.__version__})")  # fmt: skip
+    print("ratio: each window's time over the same window's fully_shard by hand (eager or compiled, as it is),")
+    print("median and quartiles over the windows; the second copies show the spread of identical code")
+    print("| configuration | median ms/step | time ratio, median | quartiles |")
+    print("|---|---:|---:|---|")
+    for name, times in per_step.items():
+        ratios = sorted(t / b for t, b in zip(times, per_step[BASELINE[name]]))
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        print(f"| {name} | {statistics.median(times) * 1e3:.2f} | {statistics.median(ratios):.3f}x | "
+              f"{q1:.3f}–{q3:.3f} |")  # fmt: skip
     if result["profile"]:
         print(result["profile"])
 
