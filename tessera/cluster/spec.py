@@ -79,6 +79,13 @@ class Link:
         """Time to move ``n_bytes`` over this link once."""
         return self.latency_us * 1e-6 + n_bytes / (self.bandwidth_gbs * 1e9)
 
+    def shared_by(self, flows: int) -> Link:
+        """This link as each of ``flows`` transfers crossing it at once sees it: an even share of its bandwidth
+        (and of its burst), its latency whole."""
+        if flows <= 1:
+            return self
+        return Link(self.bandwidth_gbs / flows, self.latency_us, self.backend, self.burst_bytes / flows)
+
     def burst_s(self, n_bytes: float) -> float:
         """What a transfer of ``n_bytes`` that starts on an idle link saves: its first ``burst_bytes`` pass at once."""
         return min(self.burst_bytes, n_bytes) / (self.bandwidth_gbs * 1e9)

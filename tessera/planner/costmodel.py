@@ -18,7 +18,16 @@ one micro-batch per stage, k in all, and lets k through per turn. A slow link ne
 of a long pipeline makes a short loop the tightest; the full round trip (``t`` = last,
 ``k = w_s``) was the only one counted before, and that was 15% off on such pipelines.
 
-gpipe is two flow shops, forwards then backwards: ``Σ (F + B + 2c) + (m − 1)(max F + max B)``.
+The k micro-batches of such a loop cross each of its stage boundaries one sender's pass apart (its
+forward going out, the next stage's backward coming back); where a transfer's bytes take longer than
+that pass, they queue on the link: ``latency + c + (k − 1) · max(0, c − pass)`` per crossing (c: the
+transfer's bytes over the link), so a link slower than the stages' compute paces the loop. Alike replicas
+whose pipelines cross the same node pair share that link, as the simulator's flows do
+(:func:`~tessera.planner.layout.pipeline_links`). Before both (issue 35), a pipeline across a 1 Gbit/s
+region link was priced as if each transfer had the link alone: 3.6x too fast.
+
+gpipe is two flow shops, forwards then backwards, each link between stages a machine of its own:
+``Σ (F + B + 2c) + (m − 1)(max(F, c′) + max(B, c′))``, c′ a transfer less its latency.
 The simulator (:mod:`~tessera.planner.simulate`) replays the schedules event by event with its own
 model of communication; both are checked against measured testbed runs, not against each other.
 
@@ -111,10 +120,11 @@ class Estimate:
 def pipeline_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> float:
     """Makespan of one replica's micro-batches through its stages (see the module docstring)."""
     m, pp = microbatches, len(times.forward)
-    if schedule == "gpipe" or pp == 1:  # all forwards flow through, then all backwards
-        return (
+    if schedule == "gpipe" or pp == 1:  # all forwards flow through, then all backwards; a link between
+        moving = [c - (times.latency[u] if times.latency else 0.0) for u, c in enumerate(times.transfer)]
+        return (  # stages is a stage of its own there (its transfers' bytes go one after another)
             sum(times.forward) + sum(times.backward) + 2 * sum(times.transfer)
-            + (m - 1) * (max(times.forward) + max(times.backward))
+            + (m - 1) * (max((*times.forward, *moving)) + max((*times.backward, *moving)))
         )  # fmt: skip
     # 1f1b, per stage s, whichever limit is later; the slowest stage's is the makespan.
     # Busy: all m forwards and backwards, after waiting for the first backward (the round trip D
@@ -124,6 +134,8 @@ def pipeline_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> flo
     # to a stage t and back: it holds k = t − s + 1 micro-batches (one per stage, as 1f1b
     # alternates), takes L_t = Σ_{s..t} (F + B) + 2 Σ transfers, and lets k micro-batches through
     # per turn, staggered by q = max(F + B, slowest later F + B); t = last is the full round trip.
+    # The k micro-batches of a turn cross each boundary of the loop one sender's pass apart; where one's
+    # bytes take longer than that pass they queue on the link (a slow link paces the loop, not one transfer).
     cost = [f + b for f, b in zip(times.forward, times.backward)]
     worst, before_f, before_b = 0.0, 0.0, 0.0
     for s in range(pp):
@@ -135,10 +147,13 @@ def pipeline_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> flo
         if m <= w:  # every micro-batch leaves in warm-up, back to back, as fast as later stages take them
             flow = (m - 1) * max(f, slowest_later) + f + later + b
         else:
-            q, loop, turns = max(f + b, slowest_later), 0.0, 0.0
+            q, turns = max(f + b, slowest_later), 0.0
             for t in range(s, pp):
-                loop += cost[t] + (2 * times.transfer[t - 1] if t > s else 0.0)
                 k = t - s + 1
+                loop = sum(cost[s : t + 1]) + sum(
+                    times.crossings_s(u, k, times.forward[u]) + times.crossings_s(u, k, times.backward[u + 1])
+                    for u in range(s, t)
+                )
                 turns = max(turns, ((m - 1) // k) * max(loop, k * q) + ((m - 1) % k) * q)
             flow = f + later + b + turns
         worst = max(worst, before_f + max(busy, flow) + before_b)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster, Link
 from tessera.errors import PlanError
@@ -110,6 +111,15 @@ class OpTimes:
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     transfer: tuple[float, ...]  # stage s → s + 1 (the same back for the gradient)
+    latency: tuple[float, ...] = ()  # the part of each transfer that is the link's latency (none: 0)
+
+    def crossings_s(self, boundary: int, count: int, gap: float) -> float:
+        """Seconds until the last of ``count`` micro-batches sent ``gap`` seconds apart over stage boundary
+        ``boundary`` has crossed, counted from the first's send, less the gaps themselves: each pays the
+        latency (in parallel), and their bytes queue on the link when one's bytes take longer than the gap."""
+        latency = self.latency[boundary] if self.latency else 0.0
+        moving = self.transfer[boundary] - latency
+        return latency + moving + (count - 1) * max(0.0, moving - gap)
 
 
 def recomputes(mode: str, index: int) -> bool:
@@ -148,7 +158,8 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
         backward.append(bwd)
     # One transfer per micro-batch, between computes: each starts on an idle link, with its burst.
     transfer = tuple(link.seconds(hidden_bytes) - link.burst_s(hidden_bytes) for link in replica.p2p)
-    return OpTimes(tuple(forward), tuple(backward), transfer)
+    latency = tuple(min(link.latency_us * 1e-6, t) for link, t in zip(replica.p2p, transfer))
+    return OpTimes(tuple(forward), tuple(backward), transfer, latency)
 
 
 def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflops: float, samples: int) -> float:
@@ -318,9 +329,10 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
                 f"data-parallel rank {r} takes {samples[r]} samples, which Plan.pipeline.microbatches={m} "
                 "does not divide."
             )
-        p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
-        replicas.append(ReplicaSpec(1, tuple(units), p2p, samples[r] // m))
+        replicas.append(ReplicaSpec(1, tuple(units), (), samples[r] // m))
         placed.append(tuple(nodes))
+    p2p = pipeline_links(cluster, placed)
+    replicas = [replace(spec, p2p=links) for spec, links in zip(replicas, p2p)]
     dp_links = tuple(
         cluster.worst_link({devices[order[plan.rank_at(RankCoords(pp=s, dp=r))]][0] for r in range(plan.dp)})
         for s in range(plan.pp)
@@ -330,6 +342,14 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         tuple(replicas), dp_links, tuple(placed), links_among(cluster, placed),
         tuple(tuple(nodes[s] for nodes in placed) for s in range(plan.pp)),
     )  # fmt: skip
+
+
+def pipeline_links(cluster: Cluster, columns: list[tuple[str, ...]]) -> list[tuple[Link, ...]]:
+    """Each replica's links from stage s to s + 1 (``columns``: each replica's node per stage), each shared by
+    every replica whose pipeline crosses the same pair of nodes the same way: alike replicas run their
+    schedules in step, so their transfers cross at once (the simulator splits the link between them too)."""
+    crossing = Counter(pair for column in columns for pair in set(zip(column, column[1:])))
+    return [tuple(cluster.link(a, b).shared_by(crossing[(a, b)]) for a, b in zip(c, c[1:])) for c in columns]
 
 
 def links_among(cluster: Cluster, nodes: list[tuple[str, ...]] | tuple[tuple[str, ...], ...]) -> tuple:

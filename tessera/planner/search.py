@@ -56,6 +56,7 @@ from tessera.planner.layout import (
     links_among,
     op_times,
     optimizer_s,
+    pipeline_links,
 )
 from tessera.planner.mixed import mixed_candidates
 from tessera.planner.space import (
@@ -105,10 +106,10 @@ class _Placed:
     def of(cls, cluster: Cluster, label: str, grid: Grid) -> _Placed:
         pp, dp = len(grid), len(grid[0])
         kinds: dict[tuple, list[int]] = {}
-        for r in range(dp):
-            column = tuple(grid[s][r] for s in range(pp))
-            p2p = tuple(cluster.link(a.node, b.node) for a, b in zip(column, column[1:]))
-            kinds.setdefault((tuple(u.spec for u in column), p2p), []).append(r)
+        columns = [tuple(grid[s][r] for s in range(pp)) for r in range(dp)]
+        p2p = pipeline_links(cluster, [tuple(u.node for u in column) for column in columns])
+        for r, column in enumerate(columns):
+            kinds.setdefault((tuple(u.spec for u in column), p2p[r]), []).append(r)
         dp_links = tuple(cluster.worst_link({u.node for u in row}) for row in grid)
         kind_of = [0] * dp
         for k, replicas in enumerate(kinds.values()):
@@ -171,7 +172,9 @@ class _Evaluator:
             self._ops[kind] = [(2 * x - y, y - x) for x, y in zip(_flat(one), _flat(two))]
         values = [fixed + b * slope for fixed, slope in self._ops[kind]]
         pp = self.base.pp
-        return OpTimes(tuple(values[:pp]), tuple(values[pp : 2 * pp]), tuple(values[2 * pp :]))
+        boundaries = (len(values) - 2 * pp) // 2
+        transfer, latency = values[2 * pp : 2 * pp + boundaries], values[2 * pp + boundaries :]
+        return OpTimes(tuple(values[:pp]), tuple(values[pp : 2 * pp]), tuple(transfer), tuple(latency))
 
     def time(self, kind: int, b: int) -> float:
         """Step time if this kind's replicas ran micro-batches of ``b`` (inf: out of memory)."""
@@ -297,7 +300,7 @@ def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limi
 
 
 def _flat(times: OpTimes) -> list[float]:
-    return [*times.forward, *times.backward, *times.transfer]
+    return [*times.forward, *times.backward, *times.transfer, *(times.latency or (0.0,) * len(times.transfer))]
 
 
 @dataclass(frozen=True)
