@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=_count(1), default=2, help="ranks per machine (one per GPU, or CPU processes)")
     train.add_argument("--nnodes", type=_count(1), default=1, help="machines in the job (torchrun's --nnodes)")
     train.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (multi-node)")
+    train.add_argument(
+        "--node-rank",
+        type=_count(0),
+        help="this machine's place in plan.file's launch, as `tessera plan` prints it: its ranks take that "
+        "machine's plan ranks, whatever order the rendezvous gives the machines",
+    )
     train.add_argument("--rdzv-id", default="tessera", help="the job's rendezvous id, the same on every machine")
     train.add_argument(
         "--local-addr",

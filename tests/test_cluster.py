@@ -131,9 +131,10 @@ def test_a_machine_may_hold_several_device_types(capsys: pytest.CaptureFixture[s
     from tessera.planner.command import print_launch
 
     print_launch(Plan(dp=4), cluster, str(tmp_path / "p.yaml"))  # every device: machine a, then machine c
-    launch = [line.strip() for line in capsys.readouterr().out.splitlines() if "torchrun --" in line]
-    assert launch == ["a: torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2",
-                      "c: torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2"], launch  # fmt: skip
+    launch = [line.strip() for line in capsys.readouterr().out.splitlines() if "tessera train" in line]
+    common = f"tessera train CONFIG --set plan.file={tmp_path / 'p.yaml'} --nproc 2 --nnodes 2"
+    assert launch == [f"a: {common} --node-rank 0 --rdzv-endpoint a:29400",
+                      f"c: {common} --node-rank 1 --rdzv-endpoint a:29400"], launch  # fmt: skip
 
 
 def test_detect_describes_this_machine_as_a_valid_file(tmp_path: Path) -> None:

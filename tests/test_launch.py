@@ -190,3 +190,40 @@ def test_a_plain_process_s_one_rank_group_leaves_no_rank_variables_behind() -> N
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_machines_given_node_ranks_take_the_plan_s_ranks_whatever_order_the_rendezvous_gives(tmp_path: Path) -> None:
+    """Two machines (loopback addresses) of one rank each, launched as `tessera plan` prints them: the plan
+    puts machine m0 first, the rendezvous (which orders machines by address) puts m1's 127.0.0.2 before
+    m0's 127.0.0.3. Each rank takes its plan rank from --node-rank, and the job trains; a rank that kept the
+    rendezvous's order would report it."""
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+    from test_bad_input import GOOD
+
+    from tessera import Plan
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.2", 0))
+        port = probe.getsockname()[1]
+    Plan(dp=2, rank_devices=("m0:0:cpu", "m1:0:cpu")).save(tmp_path / "plan.yaml", world_size=2)
+    config = tmp_path / "c.yaml"
+    runs = str(tmp_path / "runs")
+    config.write_text(yaml.safe_dump({**GOOD, "plan": {"file": str(tmp_path / "plan.yaml")},
+                                      "logging": {**GOOD["logging"], "out_dir": runs}}))  # fmt: skip
+    machines = []
+    for node_rank, addr in ((0, "127.0.0.3"), (1, "127.0.0.2")):
+        argv = ["train", str(config), "--nproc", "1", "--nnodes", "2", "--node-rank", str(node_rank),
+                "--rdzv-endpoint", f"127.0.0.2:{port}", "--local-addr", addr]  # fmt: skip
+        env = {**os.environ, "TESSERA_LOG_LEVEL": "debug"}
+        machines.append(subprocess.Popen([sys.executable, "-m", "tessera.cli", *argv], stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, env=env))  # fmt: skip
+    outputs = [m.communicate(timeout=240)[0] for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], "\n".join(outputs)
+    for node_rank, out in enumerate(outputs):
+        # (the reverse of the rendezvous's: torch's c10d numbers machines by address)
+        assert f"machine {node_rank} of the plan: ranks {node_rank}..{node_rank} (the rendezvous had numbered " \
+               f"this one's first rank {1 - node_rank})" in out, out  # fmt: skip

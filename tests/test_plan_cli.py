@@ -59,15 +59,15 @@ def test_plan_refuses_a_global_batch_smaller_than_the_data_parallel_ranks(tmp_pa
 
 
 def test_launch_instructions_for_many_nodes_go_to_a_file(tmp_path: Path, capsys) -> None:
-    """Six nodes: the console gets a one-line summary, the file one torchrun command per node."""
+    """Six nodes: the console gets a one-line summary, the file one command per machine."""
     six = "nodes:\n" + "".join(f"  - {{name: n{i}, devices: [{{type: A100-80GB, count: 2}}]}}\n" for i in range(6))
     code, out, err = _run(tmp_path, capsys, six, "--global-batch", "24", "--top", "1")
     assert code == 0, err
     lines = (tmp_path / "plan.launch.txt").read_text().splitlines()
-    assert len(lines) == 6 and all("--nnodes 6" in line and "--nproc-per-node 2" in line for line in lines), lines
+    assert len(lines) == 6 and all("--nnodes 6" in line and "--nproc 2 " in line for line in lines), lines
     assert sorted(int(line.split("--node-rank ")[1].split()[0]) for line in lines) == list(range(6))
     summary = [line for line in out.splitlines() if line.startswith("launch plan 0")]
-    assert len(summary) == 1 and "one command per node in" in summary[0], summary
+    assert len(summary) == 1 and "one command per machine in" in summary[0], summary
     assert not any(f"n{i} " in summary[0] for i in (1, 2, 3, 4)), summary  # a summary, not the list
 
 
@@ -84,7 +84,42 @@ links:
     code, out, err = _run(tmp_path, capsys, regions, "--global-batch", "32", "--top", "2")
     assert code == 0, err
     assert "each laid out its own way" in out and "group 0: 2 ranks" in out and "group 1: 2 ranks" in out, out
-    assert "tessera lighthouse --bind HOST:PORT" in out and "tessera train CONFIG --group 1" in out, out
+    assert "tessera lighthouse --bind HOST:PORT" in out and "--set plan.file=" in out and "--group 1 " in out, out
     plan = Plan.load(tmp_path / "plan.yaml")
     assert plan.groups is not None and plan.groups.fault_tolerant and plan.groups.layouts is not None
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_launch_lines_are_commands_that_launch_each_machine_s_ranks_of_the_plan(tmp_path: Path, capsys) -> None:
+    """Issue 35, item 0: each printed line is a whole `tessera train` command (config, plan file, --nproc,
+    --nnodes, --node-rank, --rdzv-endpoint). Parsed back by tessera's own parser and checked as the launcher
+    checks it, each machine's ranks get that machine's block of the plan's ranks, machines of different sizes
+    too; a machine launched with the wrong --nproc is told the right one."""
+    import shlex
+
+    from tessera.arguments import build_parser
+    from tessera.config import ConfigError
+    from tessera.launch.node_rank import FIRST_RANK_ENV, NODE_RANK_ENV
+    from tessera.launch.preflight import check_training
+
+    three = CLUSTER.replace("{type: T4, count: 2}", "{type: A100-80GB, count: 1}")
+    code, out, err = _run(tmp_path, capsys, three, "--global-batch", "16", "--top", "1")
+    assert code == 0, err
+    lines = [line.split(": ", 1) for line in out.splitlines() if line.startswith("  ") and "tessera train" in line]
+    assert [host.strip() for host, _ in lines] == ["a", "b"], out
+    plan = Plan.load(tmp_path / "plan.yaml")
+    for k, (host, command) in enumerate(lines):
+        argv = shlex.split(command)
+        assert argv[0] == "tessera"
+        args = build_parser().parse_args(argv[1:])
+        assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (2, k, "a:29400")
+        assert args.overrides == [f"plan.file={tmp_path / 'plan.yaml'}"]
+        checked = check_training(args.config, args.overrides, args.nproc, args.nnodes, False, None, args.node_rank)
+        first = int(checked.env[FIRST_RANK_ENV])
+        assert checked.env[NODE_RANK_ENV] == str(k)
+        mine = plan.rank_devices[first : first + args.nproc]
+        assert {label.split(":")[0] for label in mine} == {host.strip()}, (host, mine)  # that machine's devices
+        checked.close()
+    assert (int(shlex.split(lines[0][1])[shlex.split(lines[0][1]).index("--nproc") + 1]), args.nproc) == (2, 1)
+    with pytest.raises(ConfigError, match="'a', which runs 2 ranks, but --nproc is 1: launch it with --nproc 2"):
+        check_training(args.config, args.overrides, 1, 2, False, None, 0)

@@ -34,7 +34,9 @@ def train(args: argparse.Namespace) -> int:
         raise ValueError(
             "--testbed plays a cluster on this one machine: drop --emulate, --nnodes and --rdzv-endpoint with it."
         )
-    checked = check_training(args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group)
+    checked = check_training(
+        args.config, args.overrides, args.nproc, args.nnodes, args.overwrite, args.group, args.node_rank
+    )
     if emulated is not None:  # every rank plays a device of the file: each one it plays must be there, and paced
         plan, world = checked.plan, args.nproc * args.nnodes
         try:

@@ -32,6 +32,7 @@ from tessera.data.shards import TokenShards
 from tessera.data.text import check_corpus_size, resolve_paths
 from tessera.errors import PlanError
 from tessera.inputs import check_output_dir
+from tessera.launch import node_rank as node_rank_of
 from tessera.launch.rundir import RUN_ID_ENV, refuse_if_taken
 from tessera.models.described import parameter_count, tokenizer_for
 from tessera.models.pretrained import check_base_of
@@ -140,12 +141,28 @@ def check_memory(cfg: Config, plan: Plan, nproc: int, n_params: int) -> None:
 
 
 def check_training(
-    config: str, overrides: list[str], nproc: int, nnodes: int, overwrite: bool, group: int | None = None
+    config: str,
+    overrides: list[str],
+    nproc: int,
+    nnodes: int,
+    overwrite: bool,
+    group: int | None = None,
+    node_rank: int | None = None,
 ) -> Checked:
     """Validate a ``tessera train`` invocation; return the checked launch. Raises a ValueError naming the fix.
-    ``group``: the launch is that group of fault-tolerant Plan.groups alone."""
+    ``group``: the launch is that group of fault-tolerant Plan.groups alone. ``node_rank``: this machine's
+    place in the plan file's launch (:mod:`tessera.launch.node_rank`): its machines may differ in ranks."""
     cfg = load_config(config, overrides)
     world = nproc * nnodes
+    handed: dict[str, str] = {}
+    if node_rank is not None:
+        if not cfg.plan.file:
+            raise ConfigError("--node-rank places this machine in a planned launch: set plan.file to a `tessera plan` "
+                              "output, or leave --node-rank out.")  # fmt: skip
+        plan = plan_from_config(cfg.plan)
+        first = node_rank_of.first_rank(plan, cfg.plan.file, node_rank, nproc, nnodes)
+        world = planned_world_size(cfg.plan) or len(plan.rank_devices or ())
+        handed = {node_rank_of.FIRST_RANK_ENV: str(first), node_rank_of.NODE_RANK_ENV: str(node_rank)}
     if group is None and (recorded := planned_world_size(cfg.plan)) is not None and recorded != world:
         raise ConfigError(
             f"plan.file '{cfg.plan.file}' was made for {recorded} ranks (its world_size), but this launch starts "
@@ -156,6 +173,7 @@ def check_training(
     except PlanError as exc:
         raise ConfigError(f"plan (for {world} ranks): {exc}") from None
     checked = Checked(cfg, jobs)
+    checked.env.update(handed)
     try:
         _check_data_and_model(checked, nproc)
         _check_run_directory(cfg, overwrite)

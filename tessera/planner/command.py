@@ -98,7 +98,7 @@ def plan(args: argparse.Namespace) -> int:
     best = found[0]
     for line in ([precision_note] if precision_note else []) + list(best.notes):
         print(f"note: {line}")
-    print_launch(best.plan, cluster, args.out)
+    print_launch(best.plan, cluster, args.out, args.model)
     best.plan.save(args.out, world_size=cluster.world_size)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
@@ -108,15 +108,21 @@ def plan(args: argparse.Namespace) -> int:
 CONSOLE_LAUNCH_NODES = 4  # more nodes than this: one line per node in a file, a summary on the console
 
 
-def print_launch(plan, cluster, out: str) -> None:
-    """Which --node-rank each machine gets: plan 0's ranks take each node's devices in turn. Up to a few
-    nodes on the console; more in ``<out>.launch.txt``, one torchrun command per node."""
+RENDEZVOUS_PORT = 29400  # torchrun's default
+
+
+def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
+    """How to launch plan 0: one complete ``tessera train`` command per machine (``config`` with ``--set
+    plan.file=out``), each with the ``--node-rank`` that gives its ranks that machine's plan ranks
+    (:mod:`tessera.launch.node_rank`), all meeting at the first machine's rendezvous. Up to a few machines on
+    the console; more in ``<out>.launch.txt``, one command per line."""
     if len(cluster.nodes) == 1:
         return
+    train = f"tessera train {config} --set plan.file={out}"
     if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
         lines = [
             f"group {g} (region {nodes[0].region}: {', '.join(n.name for n in nodes[:3])}"
-            f"{', ...' if len(nodes) > 3 else ''}; {len(nodes)} node(s)): tessera train CONFIG --group {g} "
+            f"{', ...' if len(nodes) > 3 else ''}; {len(nodes)} node(s)): {train} --group {g} "
             f"--lighthouse http://HOST:PORT --nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
             for g, nodes in enumerate(regions_of(cluster))
         ]
@@ -135,17 +141,19 @@ def print_launch(plan, cluster, out: str) -> None:
         else:
             order.append(host)
             ranks.append(1)
+    endpoint = f"{order[0]}:{RENDEZVOUS_PORT}"
     lines = [
-        f"{host}: torchrun --nnodes {len(order)} --node-rank {k} --nproc-per-node {n}"
+        f"{host}: {train} --nproc {n} --nnodes {len(order)} --node-rank {k} --rdzv-endpoint {endpoint}"
         for k, (host, n) in enumerate(zip(order, ranks))
     ]
+    where = f"(machine names stand for their addresses; the rendezvous is on {order[0]})"
     if len(order) <= CONSOLE_LAUNCH_NODES:
-        print("launch plan 0 with torchrun, one command per node:\n  " + "\n  ".join(lines))
+        print(f"launch plan 0, one command per machine {where}:\n  " + "\n  ".join(lines))
         return
     path = Path(out).with_suffix(".launch.txt")
     check_output_file(str(path), "the launch file", force=True)
     path.write_text("\n".join(lines) + "\n")
     print(
-        f"launch plan 0 on {len(order)} nodes ({ranks_of(plan, cluster)} ranks) with torchrun: one command per "
-        f"node in {path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1})"
+        f"launch plan 0 on {len(order)} machines ({ranks_of(plan, cluster)} ranks): one command per machine in "
+        f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}"
     )

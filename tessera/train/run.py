@@ -14,6 +14,7 @@ import sys
 from tessera import log
 from tessera.errors import EXIT_OK
 from tessera.launch.failures import Reporter
+from tessera.launch.node_rank import take_planned_rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--overwrite", action="store_true", help="a fresh run may replace another run's files")
     args = ap.parse_args(argv)
+    placed = take_planned_rank()  # --node-rank: RANK is the plan's, before anything reads it
     log.setup(prefix=log.group_prefix())  # the launcher's level (TESSERA_LOG_LEVEL); [group G] under several groups
+    if placed is not None:
+        log.get("launch").info(placed)
     reporter = Reporter()
     reporter.started()
     trainer = None
