@@ -123,3 +123,18 @@ def test_launch_lines_are_commands_that_launch_each_machine_s_ranks_of_the_plan(
     assert (int(shlex.split(lines[0][1])[shlex.split(lines[0][1]).index("--nproc") + 1]), args.nproc) == (2, 1)
     with pytest.raises(ConfigError, match="'a', which runs 2 ranks, but --nproc is 1: launch it with --nproc 2"):
         check_training(args.config, args.overrides, 1, 2, False, None, 0)
+
+
+def test_the_table_never_lists_a_plan_twice(tmp_path: Path, capsys) -> None:
+    """Issue 35, item 5: two alike nodes can trade stages; the two plans are one row to a reader (same layout,
+    same predicted step), so the table shows it once."""
+    two = "nodes:\n" + "".join(f"  - {{name: n{i}, devices: [{{type: A100-80GB, count: 2}}]}}\n" for i in range(2))
+    code, out, err = _run(tmp_path, capsys, two, "--global-batch", "16", "--top", "10")
+    assert code == 0, err
+    lines = out.splitlines()
+    rows = [
+        line[3:] + (lines[i + 1] if i + 1 < len(lines) and lines[i + 1].startswith("    ") else "")
+        for i, line in enumerate(lines)
+        if line[:3].strip().isdigit()
+    ]
+    assert len(rows) > 2 and len(set(rows)) == len(rows), "\n".join(rows)

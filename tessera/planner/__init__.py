@@ -76,8 +76,28 @@ def plan_for(
         seq = seq_len or sequence_length(model)
         split = [expert_candidate(c, cluster, experts, seq, global_batch_size, precision) for c in found]
         found += [c for c in split if c is not None]
-    found = sorted(found, key=lambda c: c.estimate.step_s)[:top]
+    found = distinct(sorted(found, key=lambda c: c.estimate.step_s))[:top]
     return [replace(c, notes=(*c.notes, note)) for c in found] if note else found
+
+
+def distinct(found: list[Candidate]) -> list[Candidate]:
+    """``found`` without the plans a reader could not tell apart from an earlier one: the same layout and
+    predicted step, on devices swapped for alike ones (e.g. two alike nodes trading stages)."""
+    seen, kept = set(), []
+    for c in found:
+        fields = c.plan.to_dict()
+        fields.pop("placement", None)
+        fields.pop("rank_devices", None)
+        key = (repr(sorted(fields.items())), round(c.estimate.step_s, 12), tuple(sorted(_types(c))))
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return kept
+
+
+def _types(c: Candidate) -> list[str]:
+    """The device type of each rank, in rank order (swapping alike devices keeps it; swapping unlike ones not)."""
+    return [label.split(":")[-1] for label in c.plan.rank_devices or ()]
 
 
 __all__ = ["Candidate", "ModelCosts", "plan_for", "sequence_length"]
