@@ -138,3 +138,36 @@ def test_the_table_never_lists_a_plan_twice(tmp_path: Path, capsys) -> None:
         if line[:3].strip().isdigit()
     ]
     assert len(rows) > 2 and len(set(rows)) == len(rows), "\n".join(rows)
+
+
+def test_the_picture_of_a_4096_device_plan_draws_a_bar_per_region_and_node_kind() -> None:
+    """Issue 35, item 5: 512 nodes in three regions drew 4,096 labelled squares (512 overlapping node labels).
+    Past 32 nodes the device panel has one bar per region and node kind, split by stage with device counts
+    that add up to the job; the table summarises long share tuples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tessera.cluster import Cluster
+    from tessera.planner.draw import _devices
+
+    kinds = (("us", "A100-80GB", 256), ("eu", "H100", 128), ("ap", "L4", 128))
+    cluster = Cluster.from_dict({"nodes": [
+        {"name": f"{region}{i}", "region": region, "devices": [{"type": name, "count": 8}]}
+        for region, name, nodes in kinds for i in range(nodes)
+    ]})  # fmt: skip
+    assert cluster.world_size == 4096
+    fig, ax = plt.subplots()
+    _devices(ax, Plan(dp=128, tp=8, pp=4, pipeline={"microbatches": 4}), cluster, plt.get_cmap("tab20"))
+    labels = [t.get_text() for t in ax.texts]
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    plt.close(fig)
+    assert len(ticks) == 3 and ticks[0] == "us: 256 x A100-80GB x8 (128 replicas)", ticks
+    assert len(labels) <= 3 * 5, labels  # at most every stage and "out" in each bar
+    assert sum(int(label.split(": ")[1]) for label in labels) == 4096, labels
+    assert labels[:2] == ["s0: 1024", "s1: 1024"], labels  # rank order fills the A100 nodes first
+    from tessera.planner.command import summary
+
+    assert summary((4,) * 256 + (3,) * 200 + (5,) * 56) == "512 ranks, 3..5 samples: 256x 4, 200x 3, 56x 5"
+    assert summary((6, 5, 5)) == "(6, 5, 5)"  # short ones whole

@@ -4,6 +4,7 @@ file and a picture, and how to launch it), or check a Plan file for a number of 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -84,7 +85,9 @@ def plan(args: argparse.Namespace) -> int:
         if p.replicas:
             print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
         elif not own and (p.dp_shares or p.pipeline.stages):
-            print(f"{'':>3} shares {p.dp_shares or 'even'}; stages {p.pipeline.stages or 'one'}")
+            print(
+                f"{'':>3} shares {summary(p.dp_shares) if p.dp_shares else 'even'}; stages {p.pipeline.stages or 'one'}"
+            )
         if p.ep > 1:
             held = list(p.expert_shares) if p.expert_shares else "evenly"
             print(f"{'':>3} experts over ep={p.ep} ranks, held {held}")
@@ -103,6 +106,19 @@ def plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
     return 0
+
+
+SHOWN_WHOLE = 8  # longer tuples of shares are summarised in the table (the plan file has them whole)
+
+
+def summary(values: tuple[int, ...]) -> str:
+    """``values`` as they are when short; else how many, their range and the commonest, e.g.
+    ``512 ranks, 3..5 samples: 256x 4, 200x 3, 56x 5``."""
+    if len(values) <= SHOWN_WHOLE:
+        return str(values)
+    common = Counter(values).most_common()
+    shown = ", ".join(f"{n}x {v}" for v, n in common[:4]) + (", ..." if len(common) > 4 else "")
+    return f"{len(values)} ranks, {min(values)}..{max(values)} samples: {shown}"
 
 
 CONSOLE_LAUNCH_NODES = 4  # more nodes than this: one line per node in a file, a summary on the console

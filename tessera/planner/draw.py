@@ -1,8 +1,9 @@
 """The planner's picture: which device runs which stage, and a simulated timeline of one step.
 
 Left: every device of the cluster, grouped by node, coloured by its pipeline stage and labelled
-with its replica. Right: the simulator's timeline, one row per (replica kind, stage): forward,
-backward, gradient sync and optimizer, with idle time as gaps — where the time goes, at a glance.
+with its replica; on more than 32 nodes, one bar per region and node kind, split by stage with
+counts. Right: the simulator's timeline, one row per (replica kind, stage): forward, backward,
+gradient sync and optimizer, with idle time as gaps: where the time goes, at a glance.
 
 Example:
     >>> draw(candidate, cluster, costs, "plan.png")
@@ -53,30 +54,24 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
     return path
 
 
+EACH_NODE_UP_TO = 32  # more nodes than this: one row per region and node kind, not per node
+
+
 def _devices(ax, plan, cluster: Cluster, cmap) -> None:
-    """One square per device, row per node, coloured by stage, labelled with its replica."""
-    devices = cluster.devices()
-    where = {plan.device_of(rank): rank for rank in range(ranks_of(plan, cluster))}
-    per_stage = (plan.dp or 1) * plan.tp
+    """The device panel: one square per device on up to :data:`EACH_NODE_UP_TO` nodes, else one bar per region
+    and node kind (:func:`_device_groups`)."""
+    places = _places(plan, cluster)
+    if len(cluster.nodes) > EACH_NODE_UP_TO:
+        _device_groups(ax, plan, cluster, cmap, places)
+        return
     row_of = {node.name: i for i, node in enumerate(cluster.nodes)}
-    group_of = {n.name: g for g, nodes in enumerate(regions_of(cluster)) for n in nodes}  # a job per region
-    for index, (node, local, _) in enumerate(devices):
-        if index not in where:  # left out of the job by the plan
-            ax.add_patch(_square(local, row_of[node], "lightgrey"))
-            ax.text(local + 0.5, row_of[node] + 0.5, "out", ha="center", va="center", fontsize=7)
-            continue
-        rank = where[index]
-        if plan.replicas is not None:  # replicas of different depth take consecutive ranks
-            position = replica_ranks(plan, rank)
-            stage, replica = position.stage, position.index
-        elif plan.groups is not None and plan.groups.fault_tolerant:  # a job per region: its group's colour
-            stage, replica = group_of[node], rank
-        elif plan.groups is not None:  # a group per region, no stages: coloured and labelled by group
-            group_size = ranks_of(plan, cluster) // plan.groups.count
-            stage, replica = rank // group_size, (rank % group_size) // plan.tp
-        else:
-            stage, replica = rank // per_stage, (rank % per_stage) // plan.tp
+    for index, (node, local, _) in enumerate(cluster.devices()):
         y = row_of[node]
+        if places[index] is None:  # left out of the job by the plan
+            ax.add_patch(_square(local, y, "lightgrey"))
+            ax.text(local + 0.5, y + 0.5, "out", ha="center", va="center", fontsize=7)
+            continue
+        stage, replica = places[index]
         ax.add_patch(_square(local, y, cmap(stage % 20)))
         label = f"g{stage}" if plan.groups is not None else f"s{stage}"
         ax.text(local + 0.5, y + 0.5, f"{label}\nr{replica}", ha="center", va="center", fontsize=7)
@@ -86,6 +81,70 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
     ax.set_ylim(len(cluster.nodes), 0)
     ax.set_xticks([])
     ax.set_title("devices: group g, replica r" if plan.groups is not None else "devices: stage s, replica r")
+
+
+def _places(plan, cluster: Cluster) -> list[tuple[int, int] | None]:
+    """Each cluster device's (stage or group, replica) in ``plan``; None where the plan leaves it out."""
+    where = {plan.device_of(rank): rank for rank in range(ranks_of(plan, cluster))}
+    per_stage = (plan.dp or 1) * plan.tp
+    group_of = {n.name: g for g, nodes in enumerate(regions_of(cluster)) for n in nodes}  # a job per region
+    places: list[tuple[int, int] | None] = []
+    for index, (node, _, _) in enumerate(cluster.devices()):
+        rank = where.get(index)
+        if rank is None:
+            places.append(None)
+        elif plan.replicas is not None:  # replicas of different depth take consecutive ranks
+            position = replica_ranks(plan, rank)
+            places.append((position.stage, position.index))
+        elif plan.groups is not None and plan.groups.fault_tolerant:  # a job per region: its group's colour
+            places.append((group_of[node], rank))
+        elif plan.groups is not None:  # a group per region, no stages: coloured and labelled by group
+            group_size = ranks_of(plan, cluster) // plan.groups.count
+            places.append((rank // group_size, (rank % group_size) // plan.tp))
+        else:
+            places.append((rank // per_stage, (rank % per_stage) // plan.tp))
+    return places
+
+
+def _device_groups(ax, plan, cluster: Cluster, cmap, places: list[tuple[int, int] | None]) -> None:
+    """One bar per (region, device type, devices per node): its devices split by the stage (or group) they
+    run, with how many, and how many replicas; the nodes left out in grey."""
+    kinds: dict[tuple, dict] = {}
+    offset = 0
+    for node in cluster.nodes:
+        kind = kinds.setdefault((node.region, cluster.device_type(node.name).name, node.count),
+                                {"nodes": 0, "stages": {}, "replicas": set(), "out": 0})  # fmt: skip
+        kind["nodes"] += 1
+        for place in places[offset : offset + node.count]:
+            if place is None:
+                kind["out"] += 1
+            else:
+                kind["stages"][place[0]] = kind["stages"].get(place[0], 0) + 1
+                kind["replicas"].add(place[1])
+        offset += node.count
+    letter = "g" if plan.groups is not None else "s"
+    for y, ((_, _, count), kind) in enumerate(kinds.items()):
+        total, left = kind["nodes"] * count, 0.0
+        for stage, n in sorted(kind["stages"].items()) + [(-1, kind["out"])]:
+            if not n:
+                continue
+            width = n / total
+            ax.barh(y, width, left=left, color="lightgrey" if stage < 0 else cmap(stage % 20), edgecolor="white")
+            if width > 0.08:  # a label where it fits
+                text = "out" if stage < 0 else f"{letter}{stage}"
+                ax.text(left + width / 2, y, f"{text}: {n}", ha="center", va="center", fontsize=7)
+            left += width
+    ax.set_yticks(range(len(kinds)))
+    ax.set_yticklabels(
+        [f"{region or 'one region'}: {k['nodes']} x {name} x{count} ({len(k['replicas'])} replicas)"
+         for (region, name, count), k in kinds.items()],
+        fontsize=8,
+    )  # fmt: skip
+    ax.set_xlim(0, 1)
+    ax.set_ylim(len(kinds) - 0.5, -0.5)
+    ax.set_xlabel("share of the kind's devices")
+    what = "group: devices" if plan.groups is not None else "stage: devices"
+    ax.set_title(f"{len(cluster.nodes)} nodes by region and kind ({what})")
 
 
 def _square(x: float, y: float, colour) -> object:
