@@ -1,4 +1,4 @@
-"""Planned vs uniform vs drop-the-slow-devices on the testbed: real CPU quotas 1 : 1 : ½ : ¼, real shaped links.
+"""Planned vs uniform, speed-proportional and drop-the-slow DDP on the testbed: CPU quotas 1 : 1 : ½ : ¼, shaped links.
 
 Nothing sleeps: every rank runs `tessera train --testbed` in a CPU cgroup whose quota is its
 device's share of ``--cpus`` cores (1.65 by default: 0.6, 0.6, 0.3 and 0.15 of a core, leaving
@@ -10,8 +10,10 @@ namespace joined to the others by veth pairs shaped with ``tc tbf`` (``--link-mb
    cluster file's declared speeds (``tessera.planner.live``).
 2. Three plans run in turn (interleaved, ``--reps`` times each) through the real launcher:
    *planned* (the planner's best from the live profile, which may leave devices out), *uniform*
-   (DDP, equal shares on all four devices) and *drop slow* (DDP on the two fast devices only, at
-   the same quotas).
+   (DDP, equal shares on all four devices), *proportional* (DDP on all four, shares in proportion to
+   the live profile's measured speeds: what a user tries first, no search) and *drop slow* (DDP on
+   the two fast devices only, at the same quotas). The planner's gain is reported against the
+   strongest of the three baselines.
 3. Reported: the median step time over steps 3.. of each run (rank 0's ``step_time_s``; the loss
    all-reduce in it waits for the slowest rank), tokens/s, ratios, and what the cost model and the
    simulator predicted for each plan from the live profile.
@@ -47,10 +49,10 @@ def cluster_spec(link_mbit: float, slow_pair_mbit: float = 0.0) -> dict:
     """The testbed's cluster file: every pair of nodes joined at ``link_mbit``, or b and c at
     ``slow_pair_mbit`` when it is given (a ring of all four ranks, and a pipeline's b → c
     transfer, then cross one slow link)."""
-    link = {"bandwidth_gbs": link_mbit / 8e3, "latency_us": 100}
+    link = {"gbit_s": link_mbit / 1e3, "latency_us": 100}
     links: dict[str, Any] = {"inter_node": link, "inter_region": link}
     if slow_pair_mbit:
-        links["between"] = [{"nodes": ["b", "c"], "bandwidth_gbs": slow_pair_mbit / 8e3, "latency_us": 100}]
+        links["between"] = [{"nodes": ["b", "c"], "gbit_s": slow_pair_mbit / 1e3, "latency_us": 100}]
     return {
         "nodes": [
             {"name": "a", "devices": [{"type": "full", "count": 2}]},
@@ -187,6 +189,19 @@ def predictions(plans: dict[str, tuple[Any, Any]], costs: Any, batch: int = BATC
     return out
 
 
+def proportional_shares(speeds: list[float], batch: int) -> tuple[int, ...]:
+    """``batch`` samples split in proportion to ``speeds`` (largest remainders; at least one each): the
+    baseline a user tries first on unlike devices, DDP over all of them with no search."""
+    exact = [batch * s / sum(speeds) for s in speeds]
+    shares = [max(1, int(x)) for x in exact]
+    by_remainder = sorted(range(len(speeds)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    for i in by_remainder[: batch - sum(shares)]:
+        shares[i] += 1
+    while sum(shares) > batch:  # (a minimum of one took more than the batch had)
+        shares[shares.index(max(shares))] -= 1
+    return tuple(shares)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -200,7 +215,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from tessera import DDP
+    from tessera import DDP, Plan
     from tessera.cluster.spec import Cluster
     from tessera.planner import plan_for
     from tessera.planner.layout import ranks_of
@@ -214,11 +229,20 @@ def main() -> None:
     for note in best.notes:
         print(f"planner: {note}")
     two = Cluster(measured.nodes[:1], measured.device_types, measured.links, measured.pair_links)
-    plans = {"planned": (planned, measured), "uniform": (DDP(), measured), "drop slow": (DDP(), two)}
+    speeds = [device.peak(costs.precision) for _, _, device in measured.devices()]
+    proportional = Plan(dp_shares=proportional_shares(speeds, args.batch))
+    plans = {
+        "planned": (planned, measured),
+        "uniform": (DDP(), measured),
+        "proportional": (proportional, measured),
+        "drop slow": (DDP(), two),
+    }
     planned.save(work / "planned-plan.yaml")
+    proportional.save(work / "proportional-plan.yaml")
     plan_dicts = {
         "planned": ({"file": str(work / "planned-plan.yaml")}, ranks_of(planned, measured)),
         "uniform": ({"preset": "ddp"}, 4),
+        "proportional": ({"file": str(work / "proportional-plan.yaml")}, 4),
         "drop slow": ({"preset": "ddp", "placement": [0, 1]}, 2),
     }
     measured_s: dict[str, list[float]] = {name: [] for name in plans}
@@ -240,15 +264,21 @@ def main() -> None:
             "tokens_per_s": args.batch * SEQ / step,
             **predicted[name],
         }
+    baselines = ("uniform", "proportional", "drop slow")
+    strongest = max(baselines, key=lambda name: rows[name]["tokens_per_s"])
     for name, row in rows.items():
         print(
-            f"{name:10s} {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:6.0f} tokens/s "
+            f"{name:12s} {row['measured_step_s']:.3f} s/step = {row['tokens_per_s']:6.0f} tokens/s "
             f"(x{row['tokens_per_s'] / rows['uniform']['tokens_per_s']:.2f} uniform, "
+            f"x{row['tokens_per_s'] / rows['proportional']['tokens_per_s']:.2f} proportional, "
             f"x{row['tokens_per_s'] / rows['drop slow']['tokens_per_s']:.2f} drop slow); predicted: cost model "
             f"{row['cost_model_s']:.3f} s ({row['cost_model_s'] / row['measured_step_s'] - 1:+.0%}), simulator "
             f"{row['simulator_s']:.3f} s ({row['simulator_s'] / row['measured_step_s'] - 1:+.0%})"
         )
+    gain = rows["planned"]["tokens_per_s"] / rows[strongest]["tokens_per_s"]
+    print(f"planned against the strongest baseline ({strongest}): x{gain:.2f}")
     print(f"planned: {planned.to_dict()}")
+    rows["planned"]["against_strongest_baseline"] = {"baseline": strongest, "speedup": gain}
     rows["planned"]["notes"] = list(best.notes)
     if args.json:
         live_json = json.loads(live.to_json())
