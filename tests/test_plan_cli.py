@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,23 @@ def test_launch_instructions_for_many_nodes_go_to_a_file(tmp_path: Path, capsys)
     summary = [line for line in out.splitlines() if line.startswith("launch plan 0")]
     assert len(summary) == 1 and "one command per machine in" in summary[0], summary
     assert not any(f"n{i} " in summary[0] for i in (1, 2, 3, 4)), summary  # a summary, not the list
+    # what a scheduler takes: the machines in --node-rank order, and a script each machine runs as it is
+    import subprocess
+
+    hosts = (tmp_path / "plan.hosts").read_text().split()
+    assert hosts == [line.split(":")[0] for line in lines] and sorted(hosts) == [f"n{i}" for i in range(6)]
+    stub = tmp_path / "bin" / "tessera"  # stands in for tessera: prints what it was given
+    stub.parent.mkdir()
+    stub.write_text('#!/usr/bin/env bash\necho "tessera $*"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    script = str(tmp_path / "plan.launch.sh")
+    for line in lines:
+        machine, command = line.split(": ", 1)
+        ran = subprocess.run(["bash", script, machine], capture_output=True, text=True, env=env, timeout=30)
+        assert ran.returncode == 0 and ran.stdout.strip() == command, (ran.stdout, ran.stderr, command)
+    ran = subprocess.run(["bash", script, "elsewhere"], capture_output=True, text=True, env=env, timeout=30)
+    assert ran.returncode == 2 and "elsewhere is not one of the plan's machines (plan.hosts)" in ran.stderr
 
 
 def test_regions_made_differently_plan_a_job_per_group(tmp_path: Path, capsys) -> None:

@@ -4,6 +4,7 @@ file and a picture, and how to launch it), or check a Plan file for a number of 
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -169,7 +170,27 @@ def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
     path = Path(out).with_suffix(".launch.txt")
     check_output_file(str(path), "the launch file", force=True)
     path.write_text("\n".join(lines) + "\n")
+    script = _launch_script(out, order, [command for _, command in (line.split(": ", 1) for line in lines)])
     print(
         f"launch plan 0 on {len(order)} machines ({ranks_of(plan, cluster)} ranks): one command per machine in "
-        f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}"
+        f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}; or run "
+        f"`bash {script}` on every machine (e.g. `srun --nodes {len(order)} --ntasks-per-node 1 bash {script}`), "
+        f"machines in {Path(out).with_suffix('.hosts')}"
     )
+
+
+def _launch_script(out: str, machines: list[str], commands: list[str]) -> Path:
+    """``<out>.launch.sh``, which runs the command of the machine it runs on (its short hostname, or the name
+    given as its argument), and ``<out>.hosts``, the machines in --node-rank order: what a scheduler takes."""
+    hosts, script = Path(out).with_suffix(".hosts"), Path(out).with_suffix(".launch.sh")
+    for path in (hosts, script):
+        check_output_file(str(path), "the launch file", force=True)
+    hosts.write_text("\n".join(machines) + "\n")
+    arms = "\n".join(f"  {shlex.quote(m)}) exec {command} ;;" for m, command in zip(machines, commands))
+    script.write_text(
+        "#!/usr/bin/env bash\n# Plan 0's launch: run on every machine of the plan (written by `tessera plan`).\n"
+        'machine="${1:-$(hostname -s)}"\ncase "$machine" in\n'
+        f"{arms}\n"
+        f'  *) echo "tessera: $machine is not one of the plan\'s machines ({hosts.name})" >&2; exit 2 ;;\nesac\n'
+    )
+    return script
