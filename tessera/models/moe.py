@@ -301,13 +301,17 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tens
 
 def _eager_grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if can_group(rows, weights):
-        offsets = torch.cumsum(counts, 0).to(device=rows.device, dtype=torch.int32)
-        return F.grouped_mm(rows, weights, offs=offsets)
+        return F.grouped_mm(rows, weights, offs=_offsets(counts, rows.device))
     out, start = [], 0
     for expert, count in enumerate(counts.tolist()):
         out.append(rows[start : start + count] @ weights[expert])
         start += count
     return torch.cat(out) if out else rows.new_zeros(0, weights.shape[-1])
+
+
+def _offsets(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Where each expert's rows end: what F.grouped_mm takes as ``offs``."""
+    return torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
 
 
 # Compiled blocks with experts: each expert's row count is known only at run time, and torch 2.13 traces
@@ -328,8 +332,7 @@ def _(rows: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.
 def _grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's weight gradient (experts × in × out): its rows transposed times its rows' gradients."""
     if can_group(rows, grad):  # one kernel, grouped over the rows (torch's own backward of F.grouped_mm)
-        offsets = torch.cumsum(counts, 0).to(device=rows.device, dtype=torch.int32)
-        return F.grouped_mm(rows.t(), grad, offs=offsets)
+        return F.grouped_mm(rows.t(), grad, offs=_offsets(counts, rows.device))
     out, start = rows.new_zeros(len(counts), rows.shape[-1], grad.shape[-1]), 0
     for expert, count in enumerate(counts.tolist()):
         out[expert] = rows[start : start + count].T @ grad[start : start + count]

@@ -159,10 +159,11 @@ def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
             order.append(host)
             ranks.append(1)
     endpoint = f"{order[0]}:{RENDEZVOUS_PORT}"
-    lines = [
-        f"{host}: {train} --nproc {n} --nnodes {len(order)} --node-rank {k} --rdzv-endpoint {endpoint}"
-        for k, (host, n) in enumerate(zip(order, ranks))
+    commands = [
+        f"{train} --nproc {n} --nnodes {len(order)} --node-rank {k} --rdzv-endpoint {endpoint}"
+        for k, n in enumerate(ranks)
     ]
+    lines = [f"{host}: {command}" for host, command in zip(order, commands)]
     where = f"(machine names stand for their addresses; the rendezvous is on {order[0]})"
     if len(order) <= CONSOLE_LAUNCH_NODES:
         print(f"launch plan 0, one command per machine {where}:\n  " + "\n  ".join(lines))
@@ -170,7 +171,7 @@ def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
     path = Path(out).with_suffix(".launch.txt")
     check_output_file(str(path), "the launch file", force=True)
     path.write_text("\n".join(lines) + "\n")
-    script = _launch_script(out, order, [command for _, command in (line.split(": ", 1) for line in lines)])
+    script = _launch_script(out, order, commands)
     print(
         f"launch plan 0 on {len(order)} machines ({ranks_of(plan, cluster)} ranks): one command per machine in "
         f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}; or run "

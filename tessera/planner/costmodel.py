@@ -121,7 +121,7 @@ def pipeline_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> flo
     """Makespan of one replica's micro-batches through its stages (see the module docstring)."""
     m, pp = microbatches, len(times.forward)
     if schedule == "gpipe" or pp == 1:  # all forwards flow through, then all backwards; a link between
-        moving = [c - (times.latency[u] if times.latency else 0.0) for u, c in enumerate(times.transfer)]
+        moving = [times.moving_s(u) for u in range(len(times.transfer))]
         return (  # stages is a stage of its own there (its transfers' bytes go one after another)
             sum(times.forward) + sum(times.backward) + 2 * sum(times.transfer)
             + (m - 1) * (max((*times.forward, *moving)) + max((*times.backward, *moving)))

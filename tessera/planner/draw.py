@@ -85,7 +85,8 @@ def _devices(ax, plan, cluster: Cluster, cmap) -> None:
 
 def _places(plan, cluster: Cluster) -> list[tuple[int, int] | None]:
     """Each cluster device's (stage or group, replica) in ``plan``; None where the plan leaves it out."""
-    where = {plan.device_of(rank): rank for rank in range(ranks_of(plan, cluster))}
+    world = ranks_of(plan, cluster)
+    where = {plan.device_of(rank): rank for rank in range(world)}
     per_stage = (plan.dp or 1) * plan.tp
     group_of = {n.name: g for g, nodes in enumerate(regions_of(cluster)) for n in nodes}  # a job per region
     places: list[tuple[int, int] | None] = []
@@ -99,7 +100,7 @@ def _places(plan, cluster: Cluster) -> list[tuple[int, int] | None]:
         elif plan.groups is not None and plan.groups.fault_tolerant:  # a job per region: its group's colour
             places.append((group_of[node], rank))
         elif plan.groups is not None:  # a group per region, no stages: coloured and labelled by group
-            group_size = ranks_of(plan, cluster) // plan.groups.count
+            group_size = world // plan.groups.count
             places.append((rank // group_size, (rank % group_size) // plan.tp))
         else:
             places.append((rank // per_stage, (rank % per_stage) // plan.tp))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tessera.cluster.spec import USABLE_MEMORY, Cluster, Link
 from tessera.errors import PlanError
@@ -113,13 +113,16 @@ class OpTimes:
     transfer: tuple[float, ...]  # stage s → s + 1 (the same back for the gradient)
     latency: tuple[float, ...] = ()  # the part of each transfer that is the link's latency (none: 0)
 
+    def moving_s(self, boundary: int) -> float:
+        """The part of a transfer over stage boundary ``boundary`` that occupies the link: all but its latency."""
+        return self.transfer[boundary] - (self.latency[boundary] if self.latency else 0.0)
+
     def crossings_s(self, boundary: int, count: int, gap: float) -> float:
         """Seconds until the last of ``count`` micro-batches sent ``gap`` seconds apart over stage boundary
         ``boundary`` has crossed, counted from the first's send, less the gaps themselves: each pays the
         latency (in parallel), and their bytes queue on the link when one's bytes take longer than the gap."""
-        latency = self.latency[boundary] if self.latency else 0.0
-        moving = self.transfer[boundary] - latency
-        return latency + moving + (count - 1) * max(0.0, moving - gap)
+        moving = self.moving_s(boundary)
+        return self.transfer[boundary] + (count - 1) * max(0.0, moving - gap)
 
 
 def recomputes(mode: str, index: int) -> bool:
@@ -317,7 +320,7 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
         )
     samples = plan.samples_per_rank(global_batch)
     m = plan.pipeline.microbatches
-    replicas, placed = [], []
+    columns, placed = [], []
     for r in range(plan.dp):
         units, nodes = [], []
         for s in range(plan.pp):
@@ -329,10 +332,10 @@ def layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_bat
                 f"data-parallel rank {r} takes {samples[r]} samples, which Plan.pipeline.microbatches={m} "
                 "does not divide."
             )
-        replicas.append(ReplicaSpec(1, tuple(units), (), samples[r] // m))
+        columns.append((tuple(units), samples[r] // m))
         placed.append(tuple(nodes))
     p2p = pipeline_links(cluster, placed)
-    replicas = [replace(spec, p2p=links) for spec, links in zip(replicas, p2p)]
+    replicas = [ReplicaSpec(1, units, links, b) for (units, b), links in zip(columns, p2p)]
     dp_links = tuple(
         cluster.worst_link({devices[order[plan.rank_at(RankCoords(pp=s, dp=r))]][0] for r in range(plan.dp)})
         for s in range(plan.pp)
