@@ -18,11 +18,13 @@ from tessera import Hybrid, PlanError
 from tessera.cluster import Cluster
 from tessera.cluster.generate import random_cluster
 from tessera.models.llama import Llama, LlamaConfig
+from tessera.planner.bounds import placement_floor, step_floor
 from tessera.planner.costmodel import estimate
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import layout_from_plan
+from tessera.planner.layout import Layout, MixedLayout, layout_from_plan, transfers_s
 from tessera.planner.search import exhaustive_search, search
 from tessera.planner.simulate import simulate
+from tessera.planner.space import units_of
 
 MICROBATCHES = (1, 2, 4)
 BATCH = 8
@@ -56,6 +58,52 @@ def test_best_plan_equals_exhaustive_optimum_with_measured_wrapper_costs(costs: 
     optimum, _ = exhaustive_search(cluster, measured, BATCH, microbatches=MICROBATCHES)
     assert math.isclose(found[0].estimate.step_s, optimum, rel_tol=1e-9), (found[0].estimate.step_s, optimum)
     assert [c.estimate.step_s for c in found] == sorted(c.estimate.step_s for c in found)
+
+
+WAN_WITH_PAIRS = {  # two regions over a slow WAN, one pair across it with a fast link of its own
+    "nodes": [
+        {"name": "a", "region": "r0", "devices": [{"type": "A100-80GB", "count": 2}]},
+        {"name": "b", "region": "r0", "devices": [{"type": "A10", "count": 2}]},
+        {"name": "c", "region": "r1", "devices": [{"type": "A100-80GB", "count": 2}]},
+    ],
+    "links": {
+        "inter_region": {"gbit_s": 0.5, "latency_us": 30_000},
+        "between": [{"nodes": ["a", "c"], "gbit_s": 40, "latency_us": 200}],
+    },
+}
+
+
+@pytest.mark.parametrize("seed", [None, *SEEDS[:6]])
+def test_step_floor_is_below_every_layout_the_exhaustive_search_judges(costs: ModelCosts, seed: int | None) -> None:
+    """The search skips a family (tp, pp, dp, micro-batches) whose floor is above its top plans: the floor
+    must hold for every placement, split, share vector and option of that family, with the live profile's
+    wrapper terms too. Doubled, it fails: it is near the step for some layouts."""
+    cluster = Cluster.from_dict(WAN_WITH_PAIRS) if seed is None else random_cluster(seed)
+    measured = dataclasses.replace(costs, tp_block_s=1e-3, tp_sample_s=1e-3, fsdp_unit_s=1e-3)
+    ratios = []
+
+    def judge(layout: Layout | MixedLayout) -> float:
+        step = estimate(layout, measured).step_s
+        if isinstance(layout, Layout):
+            units = units_of(cluster, layout.tp, measured.precision)
+            floor = step_floor(cluster, units, measured, layout.tp, layout.pp, layout.dp, layout.microbatches, BATCH)
+            kinds = [(r.count, [u.peak_tflops for u in r.units]) for r in layout.replicas]
+            transfers = [_affine(measured, r.p2p) for r in layout.replicas]
+            own = placement_floor(measured, kinds, transfers, [layout.dp_links[0]], layout.tp, layout.pp, layout.dp,
+                                  layout.microbatches, BATCH)  # fmt: skip
+            assert max(floor, own) <= step * (1 + 1e-9), (layout, floor, own, step)
+            ratios.append(max(floor, own) / step)
+        return step
+
+    exhaustive_search(cluster, measured, BATCH, microbatches=MICROBATCHES, judge=judge)
+    assert ratios and max(ratios) > 0.5, max(ratios, default=None)
+
+
+def _affine(costs: ModelCosts, p2p) -> tuple[float, float]:
+    """A replica's stage-to-stage seconds a micro-batch as (fixed, per sample): the line through its sums at
+    1 and 2 samples, as the search extends them to any micro-batch."""
+    one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
+    return 2 * one - two, two - one
 
 
 def test_generated_clusters_are_varied() -> None:

@@ -148,12 +148,18 @@ def pipeline_s(times: OpTimes, microbatches: int, schedule: str = "1f1b") -> flo
             flow = (m - 1) * max(f, slowest_later) + f + later + b
         else:
             q, turns = max(f + b, slowest_later), 0.0
+            # k micro-batches sent a pass apart cross boundary u in transfer + (k − 1)·max(0, moving − pass):
+            # each pays the latency in parallel, their bytes queue. Sums over the loop s..t, kept running.
+            computing = sending = queueing = 0.0
             for t in range(s, pp):
                 k = t - s + 1
-                loop = sum(cost[s : t + 1]) + sum(
-                    times.crossings_s(u, k, times.forward[u]) + times.crossings_s(u, k, times.backward[u + 1])
-                    for u in range(s, t)
-                )
+                computing += cost[t]
+                if t > s:
+                    u = t - 1
+                    sending += 2 * times.transfer[u]
+                    moving = times.moving_s(u)
+                    queueing += max(0.0, moving - times.forward[u]) + max(0.0, moving - times.backward[u + 1])
+                loop = computing + sending + (k - 1) * queueing
                 turns = max(turns, ((m - 1) // k) * max(loop, k * q) + ((m - 1) % k) * q)
             flow = f + later + b + turns
         worst = max(worst, before_f + max(busy, flow) + before_b)

@@ -117,13 +117,6 @@ class OpTimes:
         """The part of a transfer over stage boundary ``boundary`` that occupies the link: all but its latency."""
         return self.transfer[boundary] - (self.latency[boundary] if self.latency else 0.0)
 
-    def crossings_s(self, boundary: int, count: int, gap: float) -> float:
-        """Seconds until the last of ``count`` micro-batches sent ``gap`` seconds apart over stage boundary
-        ``boundary`` has crossed, counted from the first's send, less the gaps themselves: each pays the
-        latency (in parallel), and their bytes queue on the link when one's bytes take longer than the gap."""
-        moving = self.moving_s(boundary)
-        return self.transfer[boundary] + (count - 1) * max(0.0, moving - gap)
-
 
 def recomputes(mode: str, index: int) -> bool:
     """Whether a stage's ``index``-th block reruns its forward in the backward under ``Plan.recompute=mode``
@@ -135,8 +128,9 @@ def recomputes(mode: str, index: int) -> bool:
 
 
 def recomputed_blocks(mode: str, blocks: int) -> int:
-    """How many of a stage's ``blocks`` rerun their forward under ``Plan.recompute=mode``."""
-    return sum(recomputes(mode, i) for i in range(blocks))
+    """How many of a stage's ``blocks`` rerun their forward under ``Plan.recompute=mode`` (as
+    :func:`recomputes` picks them, counted without a loop: the search asks this millions of times)."""
+    return blocks if mode == "full" else (blocks + 1) // 2 if mode == "selective" else 0
 
 
 def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes:
@@ -147,22 +141,34 @@ def op_times(layout: Layout, costs: ModelCosts, replica: ReplicaSpec) -> OpTimes
     blocks' share of the forward again inside backward (all of it under full recompute).
     """
     b = replica.micro_batch
+    passes = [
+        stage_pass_s(layout, costs, first, end, unit, b) for (first, end), unit in zip(layout.stages, replica.units)
+    ]
+    transfer, latency = transfers_s(costs, replica.p2p, b)
+    return OpTimes(tuple(f for f, _ in passes), tuple(bwd for _, bwd in passes), transfer, latency)
+
+
+def stage_pass_s(
+    layout: Layout, costs: ModelCosts, first: int, end: int, unit: UnitSpec, b: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of ``b`` on a stage holding layers ``[first, end)`` of
+    ``unit``; of the layout it reads only tp, ZeRO ≥ 2 (FSDP's wrappers) and recompute."""
+    compute = costs.stage_forward_s(first, end, b, unit.peak_tflops) / layout.tp
+    tp_comm = 2 * (end - first) * unit.tp_link.all_reduce_s(costs.boundary_bytes(b), layout.tp)
+    wrappers = wrapper_s(layout, costs, first, end, unit.peak_tflops, b)
+    f = compute + tp_comm + wrappers
+    bwd = costs.backward_ratio * compute + tp_comm + wrappers
+    if recomputed := recomputed_blocks(layout.recompute, end - first):
+        bwd += f * recomputed / (end - first)
+    return f, bwd
+
+
+def transfers_s(costs: ModelCosts, p2p: tuple[Link, ...], b: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(seconds, the latency part of them) of one micro-batch's activations over each stage-to-stage link.
+    One transfer per micro-batch, between computes: each starts on an idle link, with its burst."""
     hidden_bytes = costs.boundary_bytes(b)
-    forward, backward = [], []
-    for (first, end), unit in zip(layout.stages, replica.units):
-        compute = costs.stage_forward_s(first, end, b, unit.peak_tflops) / layout.tp
-        tp_comm = 2 * (end - first) * unit.tp_link.all_reduce_s(hidden_bytes, layout.tp)
-        wrappers = wrapper_s(layout, costs, first, end, unit.peak_tflops, b)
-        f = compute + tp_comm + wrappers
-        bwd = costs.backward_ratio * compute + tp_comm + wrappers
-        if recomputed := recomputed_blocks(layout.recompute, end - first):
-            bwd += f * recomputed / (end - first)
-        forward.append(f)
-        backward.append(bwd)
-    # One transfer per micro-batch, between computes: each starts on an idle link, with its burst.
-    transfer = tuple(link.seconds(hidden_bytes) - link.burst_s(hidden_bytes) for link in replica.p2p)
-    latency = tuple(min(link.latency_us * 1e-6, t) for link, t in zip(replica.p2p, transfer))
-    return OpTimes(tuple(forward), tuple(backward), transfer, latency)
+    transfer = tuple(link.seconds(hidden_bytes) - link.burst_s(hidden_bytes) for link in p2p)
+    return transfer, tuple(min(link.latency_us * 1e-6, t) for link, t in zip(p2p, transfer))
 
 
 def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflops: float, samples: int) -> float:

@@ -43,7 +43,6 @@ OUTER_BUDGET = 0.1  # the share of the inner steps' time a sync may cost
 STREAMING_FRAGMENTS = (2, 4, 8)
 STREAMING_DELAY = 1
 MAX_H = 10_000
-INNER_TOP = 50  # inner plans searched: the fastest may mix replicas, which groups do not take yet
 SHARE_ROUNDS = 3  # regions not alike: batch shares set by speed, re-searched while the slowest gets faster
 
 
@@ -223,16 +222,15 @@ def outer_candidates(cluster: Cluster, costs: ModelCosts, global_batch: int, top
     names = [{n.name for n in nodes} for nodes in regions]
     sub = region_cluster(cluster, regions[0])
     try:
-        found = search(sub, costs, global_batch // count, top=max(top, INNER_TOP))
+        inner = search(sub, costs, global_batch // count, top=1, mixed=False)  # groups take no mixed replicas yet
     except PlanError:  # one region cannot hold the model, or its batch is too small
         return []
-    inner = [c for c in found if not c.plan.replicas]
     devices = cluster.devices()
     kept = [[d for d, (node, _, _) in enumerate(devices) if node in region] for region in names]
     params = costs.stage_params(0, costs.n_layers)
     seconds = sync_seconds(cluster, regions)
     out = []
-    for candidate in inner[:1]:
+    for candidate in inner:
         options = runnable(
             outer_options(candidate.estimate.step_s, params, 4, count, seconds), candidate.plan, costs.n_layers
         )
@@ -263,13 +261,10 @@ def _region_plans(subs: list[Cluster], costs: ModelCosts, batches: list[int]) ->
     found = []
     for sub, batch in zip(subs, batches):
         try:
-            ranked = search(sub, costs, batch, top=INNER_TOP)
+            ranked = search(sub, costs, batch, top=1, mixed=False)  # groups take no mixed replicas yet
         except PlanError:
             return None
-        usable = [c for c in ranked if not c.plan.replicas and c.plan.ulysses_size == 1]
-        if not usable:
-            return None
-        found.append(usable[0])
+        found.append(ranked[0])
     return found
 
 

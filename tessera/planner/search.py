@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
 from tessera.plan import PipelineSpec, Plan, grid_order
+from tessera.planner.bounds import placement_floor, step_floor
 from tessera.planner.costmodel import INFEASIBLE, Estimate, device_memory, estimate, fits, stage_finish_s, step_time
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
@@ -54,9 +55,10 @@ from tessera.planner.layout import (
     UnitSpec,
     grad_sync_s,
     links_among,
-    op_times,
     optimizer_s,
     pipeline_links,
+    stage_pass_s,
+    transfers_s,
 )
 from tessera.planner.mixed import mixed_candidates
 from tessera.planner.space import (
@@ -125,26 +127,55 @@ class _Placed:
 class _Evaluator:
     """Step time of one (placement, layer split, micro-batch count, options) as shares vary."""
 
-    def __init__(self, placed: _Placed, costs: ModelCosts, tp: int, m: int, stages, options: Options):
+    def __init__(
+        self, placed: _Placed, costs: ModelCosts, tp: int, m: int, stages, options: Options, memo: dict | None = None
+    ):
         pp, dp = len(placed.grid), len(placed.grid[0])
         self.costs, self.placed = costs, placed
+        self.memo = {} if memo is None else memo  # what placements share, shared by a search's evaluators
         self.base = Layout(
             pp, dp, tp, stages, m, "1f1b" if m >= pp else "gpipe", options.zero, options.offload, options.recompute,
             (), placed.dp_links, node_links=placed.node_links, dp_groups=placed.dp_groups,
         )  # fmt: skip
-        self.sync = [grad_sync_s(self.base, costs, s) for s in range(pp)]  # waits for the slowest replica
         self._cache: dict[tuple[int, int], float] = {}
-        # Bytes per stage are affine in the micro-batch (the units do not matter): fixed + b × per-sample.
-        at = [[sum(device_memory(self.base, costs, self.replica(0, b), s)) for s in range(pp)] for b in (0, 1)]
-        self._memory = [(fixed, one - fixed) for fixed, one in zip(*at)]
+        self._memory = [self._stage_memory(s) for s in range(pp)]
         self._ops: dict[int, list[tuple[float, float]]] = {}
-        # After the slowest replica of each stage: its sync, then the slowest optimizer step of the stage
-        # (every replica's, whatever its share: so the greedy shares below stay exact).
-        self.tail = [
-            self.sync[s] + max(optimizer_s(self.base, costs, s, units[s]) for units, _, _ in placed.kinds)
-            for s in range(pp)
-        ]
+        self._tail: list[float] | None = None
         self._max_b: dict[int, float] = {}
+
+    def _stage_memory(self, stage: int) -> tuple[float, float]:
+        """A stage's bytes a device as (fixed, per-sample): affine in the micro-batch, and the units do not
+        matter, so one placement's figures serve all placements of this shape, split and options."""
+        base = self.base
+        key = ("memory", base.pp, base.dp, base.tp, base.microbatches, base.zero, base.offload, base.recompute, stage,
+               base.stages[stage])  # fmt: skip
+        if key not in self.memo:
+            fixed, one = (sum(device_memory(base, self.costs, self.replica(0, b), stage)) for b in (0, 1))
+            self.memo[key] = (fixed, one - fixed)
+        return self.memo[key]
+
+    @property
+    def tail(self) -> list[float]:
+        """After the slowest replica of each stage: its sync, then the slowest optimizer step of the stage
+        (every replica's, whatever its share: so the greedy shares below stay exact). Worked out once a
+        micro-batch fits: most evaluators the search builds run out of memory first."""
+        if self._tail is None:
+            base, kinds = self.base, self.placed.kinds
+            self._tail = [
+                grad_sync_s(base, self.costs, s)
+                + max(optimizer_s(base, self.costs, s, units[s]) for units, _, _ in kinds)
+                for s in range(base.pp)
+            ]
+        return self._tail
+
+    def _stage_pass(self, stage: tuple[int, int], unit: UnitSpec) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(forward, backward) of a stage as (fixed, per-sample) seconds, from ``stage_pass_s`` at 1 and 2."""
+        base = self.base
+        key = (base.tp, base.zero >= 2, base.recompute, stage, unit)
+        if key not in self.memo:
+            one, two = (stage_pass_s(base, self.costs, *stage, unit, n) for n in (1, 2))
+            self.memo[key] = tuple((2 * x - y, y - x) for x, y in zip(one, two))
+        return self.memo[key]
 
     def replica(self, kind: int, b: int, count: int = 1) -> ReplicaSpec:
         units, p2p, _ = self.placed.kinds[kind]
@@ -166,10 +197,14 @@ class _Evaluator:
         return self._max_b[kind]
 
     def op_times(self, kind: int, b: int) -> OpTimes:
-        """Per-stage seconds of one micro-batch of ``b``: affine in ``b``, so worked out once per kind."""
+        """Per-stage seconds of one micro-batch of ``b``: affine in ``b``, so worked out once per kind (each
+        stage's from the search's memo: placements, splits and options share most stages)."""
         if kind not in self._ops:
-            one, two = (op_times(self.base, self.costs, self.replica(kind, n)) for n in (1, 2))
-            self._ops[kind] = [(2 * x - y, y - x) for x, y in zip(_flat(one), _flat(two))]
+            units, p2p, _ = self.placed.kinds[kind]
+            passes = [self._stage_pass(stage, unit) for stage, unit in zip(self.base.stages, units)]
+            one, two = (transfers_s(self.costs, p2p, n) for n in (1, 2))
+            links = [(2 * x - y, y - x) for x, y in zip((*one[0], *one[1]), (*two[0], *two[1]))]
+            self._ops[kind] = [f for f, _ in passes] + [bwd for _, bwd in passes] + links
         values = [fixed + b * slope for fixed, slope in self._ops[kind]]
         pp = self.base.pp
         boundaries = (len(values) - 2 * pp) // 2
@@ -190,7 +225,11 @@ class _Evaluator:
     def shares(self, units_total: int) -> tuple[float, list[int]] | None:
         """Greedy micro-batch sizes per replica summing to ``units_total``; (step, sizes) or None if nothing fits."""
         dp = self.base.dp
-        if units_total < dp or any(self.time(k, 1) == INFEASIBLE for k in range(len(self.placed.kinds))):
+        # Memory first (no timing needed): every replica must hold one sample, and the greedy below runs out
+        # of memory exactly when the replicas cannot hold the samples between them.
+        most = [min(self.max_micro_batch(k), units_total) for k in range(len(self.placed.kinds))]
+        room = sum(len(rs) * math.floor(b) for b, (_, _, rs) in zip(most, self.placed.kinds))
+        if units_total < dp or min(most) < 1 or room < units_total:
             return None
         size = [1] * dp
         heap = [(self.time(k, 2), k, r) for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs]
@@ -223,8 +262,10 @@ def search(
     placement_limit: int = PLACEMENT_LIMIT,
     split_limit: int = SPLIT_LIMIT,
     budget: int = EXACT_BUDGET,
+    mixed: bool = True,
 ) -> list[Candidate]:
-    """The ``top`` fastest Plans that fit in memory, fastest first (see the module docstring).
+    """The ``top`` fastest Plans that fit in memory, fastest first (see the module docstring); with ``mixed``
+    False, grid layouts only (no replicas of different depth).
 
     Where placements are enumerated (small clusters) every option and every layer split is
     tried, so the result is the optimum under the cost model. Elsewhere the options are tried
@@ -232,32 +273,49 @@ def search(
     from a proportional one.
     """
     _check_batch(cluster, costs, global_batch)
-    best: dict[tuple, tuple[float, int, object]] = {}  # the best plan of each shape (degrees, placement, m)
-    counter = itertools.count()
-    for tp, pp, dp in degrees(cluster, costs, global_batch):
+    best: dict[tuple, tuple[float, tuple, object]] = {}  # the best plan of each shape (degrees, placement, m)
+    counter, memo = itertools.count(), {}
+    families = []  # (floor, degrees' index, tp, pp, dp, units, {m: floor}): the most promising judged first
+    for index, (tp, pp, dp) in enumerate(degrees(cluster, costs, global_batch)):
         units = units_of(cluster, tp, costs.precision)
         if units is None:
             continue
         counts = [m for m in microbatches if global_batch % m == 0 and global_batch // m >= dp]
+        floors = {m: step_floor(cluster, units, costs, tp, pp, dp, m, global_batch) for m in counts}
+        families.append((min(floors.values(), default=INFEASIBLE), index, tp, pp, dp, units, floors))
+    for _, index, tp, pp, dp, units, floors in sorted(families, key=lambda f: f[:2]):
+        if (beaten := _top_step(best, top)) is not None and min(floors.values(), default=INFEASIBLE) > beaten:
+            break  # sorted by floor: no family left can reach the top
+        counts = list(floors)
         n_splits = math.comb(costs.n_layers - 1, pp - 1)
-        per_placement = len(counts) * len(option_sets(dp, pp, tp)) * (n_splits if n_splits <= split_limit else 1)
-        for label, grid in placements(units, pp, dp, min(placement_limit, budget // max(per_placement, 1))):
+        per_placement = max(
+            1, len(counts) * len(option_sets(dp, pp, tp)) * (n_splits if n_splits <= split_limit else 1)
+        )
+        tried = []  # (floor, placement's index, placement, {m: floor}): the most promising judged first
+        for i, (label, grid) in enumerate(
+            placements(units, pp, dp, min(placement_limit, budget // max(per_placement, 1)))
+        ):
             placed = _Placed.of(cluster, label, grid)
-            exact = label == "enumerated"
-            shape = tuple(tuple(u.devices for u in row) for row in grid)
+            own = {m: max(floors[m], _placement_floor(placed, costs, tp, m, global_batch)) for m in counts}
+            tried.append((min(own.values(), default=INFEASIBLE), i, placed, own))
+        for _, i, placed, own in sorted(tried, key=lambda t: t[:2]):
+            exact = placed.label == "enumerated"
+            shape = tuple(tuple(u.devices for u in row) for row in placed.grid)
             for m in counts:
+                if (beaten := _top_step(best, top)) is not None and own[m] > beaten:
+                    continue
                 for options in option_sets(dp, pp, tp):
-                    found = list(_best_splits(costs, placed, tp, m, options, global_batch // m, split_limit))
+                    found = list(_best_splits(costs, placed, tp, m, options, global_batch // m, split_limit, memo))
                     for step, sizes, ev in found:
-                        entry = (step, next(counter), (ev, sizes))  # ties: the earlier, simpler one
+                        entry = (step, (index, i, next(counter)), (ev, sizes))  # ties: the earlier, simpler one
                         if (shape, m) not in best or entry < best[(shape, m)]:
                             best[(shape, m)] = entry
                     if found and not exact:
                         break  # options run from fastest to most frugal: the first that fits wins
     counts = tuple(m for m in microbatches if global_batch % m == 0)
-    for step, plan, layout, label in mixed_candidates(cluster, costs, global_batch, counts):
+    for step, plan, layout, label in mixed_candidates(cluster, costs, global_batch, counts) if mixed else ():
         key = ("mixed", label, plan.pipeline.microbatches)
-        entry = (step, next(counter), (plan, layout, label))
+        entry = (step, (len(families), 0, next(counter)), (plan, layout, label))
         if key not in best or entry < best[key]:
             best[key] = entry
     if not best:
@@ -269,12 +327,31 @@ def search(
     return [_candidate(cluster, costs, *payload) for _, _, payload in ranked]
 
 
-def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit):
+def _placement_floor(placed: _Placed, costs: ModelCosts, tp: int, m: int, global_batch: int) -> float:
+    """:func:`~tessera.planner.bounds.placement_floor` of ``placed``, its transfers affine in the micro-batch
+    as the evaluator takes them."""
+    kinds, transfers = [], []
+    for units, p2p, replicas in placed.kinds:
+        kinds.append((len(replicas), [u.peak_tflops for u in units]))
+        one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
+        transfers.append((2 * one - two, two - one))
+    pp, dp = len(placed.grid), len(placed.grid[0])
+    return placement_floor(costs, kinds, transfers, [placed.dp_links[0]], tp, pp, dp, m, global_batch)
+
+
+def _top_step(best: dict, top: int) -> float | None:
+    """The step a plan must beat to enter the ``top`` found so far (None: fewer found)."""
+    if len(best) < top:
+        return None
+    return heapq.nsmallest(top, (entry[0] for entry in best.values()))[-1]
+
+
+def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit, memo: dict):
     """(step, sizes, evaluator) of the best shares for each layer split tried."""
     pp = len(placed.grid)
     if math.comb(costs.n_layers - 1, pp - 1) <= split_limit:
         for stages in splits(costs.n_layers, pp):
-            ev = _Evaluator(placed, costs, tp, m, stages, options)
+            ev = _Evaluator(placed, costs, tp, m, stages, options, memo)
             found = ev.shares(units_total)
             if found is not None:
                 yield found[0], found[1], ev
@@ -284,7 +361,7 @@ def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limi
 
     def attempt(stages: tuple) -> _Trial:
         if stages not in tried:
-            ev = _Evaluator(placed, costs, tp, m, stages, options)
+            ev = _Evaluator(placed, costs, tp, m, stages, options, memo)
             tried[stages] = _Trial(ev, ev.shares(units_total))
         return tried[stages]
 
@@ -297,10 +374,6 @@ def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limi
         best = min(trials, key=lambda t: t.score)
     if best.found is not None:
         yield best.found[0], best.found[1], best.ev
-
-
-def _flat(times: OpTimes) -> list[float]:
-    return [*times.forward, *times.backward, *times.transfer, *(times.latency or (0.0,) * len(times.transfer))]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,20 @@ class Unit:
     node: str
     devices: tuple[int, ...]  # indices in the cluster file's device order
     spec: UnitSpec
+    alike: str = ""  # units whose nodes are interchangeable share this (see alike_nodes); "" for none
+
+
+def alike_nodes(cluster: Cluster) -> dict[str, str]:
+    """Each node's class of interchangeable nodes: nodes alone on their machine, named in no pair link, of
+    one device type, count and region, can trade places without changing any cost. Others are their own."""
+    per_host: dict[str, int] = {}
+    for n in cluster.nodes:
+        per_host[n.host] = per_host.get(n.host, 0) + 1
+    paired = {name for pair in cluster.pair_links for name in pair}
+    return {
+        n.name: n.name if per_host[n.host] > 1 or n.host in paired else f"{n.device_type}×{n.count}@{n.region}"
+        for n in cluster.nodes
+    }
 
 
 @dataclass(frozen=True)
@@ -46,13 +60,14 @@ Grid = tuple[tuple[Unit, ...], ...]  # grid[stage][replica]
 def units_of(cluster: Cluster, tp: int, dtype: str) -> list[Unit] | None:
     """The cluster's devices as tp-sized groups inside nodes (None: some node's count is not a multiple of tp)."""
     units, first = [], 0  # first: the node's first device in the cluster's order
+    alike = alike_nodes(cluster)
     for node in cluster.nodes:
         if node.count % tp:
             return None
         members = [(node.name, i, cluster.device_type(node.name)) for i in range(node.count)]
         for i in range(0, node.count, tp):
             devices = tuple(range(first + i, first + i + tp))
-            units.append(Unit(node.name, devices, unit_of(cluster, members[i : i + tp], dtype)))
+            units.append(Unit(node.name, devices, unit_of(cluster, members[i : i + tp], dtype), alike[node.name]))
         first += node.count
     return units
 
@@ -105,23 +120,28 @@ def launchable(grid: Grid) -> bool:
     return all(ds == sorted(ds) for ds in blocks.values())
 
 
-def grids(units: list[Unit], pp: int, dp: int) -> Iterator[Grid]:
-    """Every launchable placement of ``units`` on a pp × dp grid (units of one node interchangeable)."""
-    by_node: dict[str, list[Unit]] = {}
+def grids(units: list[Unit], pp: int, dp: int, alike: bool = False) -> Iterator[Grid]:
+    """Every launchable placement of ``units`` on a pp × dp grid (units of one node interchangeable; with
+    ``alike``, nodes of one :func:`alike_nodes` class too: one placement stands for all their swaps)."""
+    by_class: dict[str, list[Unit]] = {}
     for u in units:
-        by_node.setdefault(u.node, []).append(u)
-    for order in multiset_permutations([u.node for u in units]):
-        pools = {n: iter(us) for n, us in by_node.items()}
+        by_class.setdefault(_class(u, alike), []).append(u)
+    for order in multiset_permutations([_class(u, alike) for u in units]):
+        pools = {n: iter(us) for n, us in by_class.items()}
         cells = [next(pools[n]) for n in order]
         grid = tuple(tuple(cells[s * dp + r] for r in range(dp)) for s in range(pp))
         if launchable(grid):
             yield grid
 
 
+def _class(unit: Unit, alike: bool) -> str:
+    return unit.alike if alike and unit.alike else unit.node
+
+
 def _all_placements(units: list[Unit], pp: int, dp: int, limit: int) -> list[tuple[str, Grid]] | None:
     seen: dict[tuple, Grid] = {}
-    for grid in grids(units, pp, dp):
-        key = tuple(sorted(zip(*[[u.node for u in row] for row in grid])))  # the same up to replica order
+    for grid in grids(units, pp, dp, alike=True):
+        key = tuple(sorted(zip(*[[_class(u, True) for u in row] for row in grid])))  # the same up to replica order
         if key not in seen:
             seen[key] = grid
             if len(seen) > limit:
