@@ -55,11 +55,12 @@ def step_floor(
 
 
 def _sync_floor(cluster: Cluster, units: list[Unit], costs: ModelCosts, tp: int, pp: int, dp: int, m: int) -> float:
-    return _stage_zero_sync(costs, tp, pp, dp, m, _row_links(cluster, units, dp))
+    return sync_floor(costs, tp, pp, dp, m, _row_links(cluster, units, dp))
 
 
-def _stage_zero_sync(costs: ModelCosts, tp: int, pp: int, dp: int, m: int, links: list[Link]) -> float:
-    """The cheapest gradient sync stage 0 can have (one layer; all with one stage) over any of ``links``."""
+def sync_floor(costs: ModelCosts, tp: int, pp: int, dp: int, m: int, links: list[Link]) -> float:
+    """The cheapest gradient sync stage 0 can have (one layer; all with one stage) over any of ``links``: it
+    follows the replicas' pipelines (stage 0 finishes last)."""
     if dp <= 1 or any(link.backend == "gloo" for link in links):  # gloo's ZeRO-1 trees: not bounded here
         return 0.0
     stage = ((0, costs.n_layers),) if pp == 1 else ((0, 1),) + ((1, costs.n_layers),) * (pp - 1)
@@ -93,22 +94,23 @@ def _row_links(cluster: Cluster, units: list[Unit], dp: int) -> list[Link]:
     return [across, *(p for p in pairs if p.bandwidth_gbs < across.bandwidth_gbs)]
 
 
-def placement_floor(
-    costs: ModelCosts, kinds: list[tuple[int, list[float]]], transfers: list[tuple[float, float]],
-    sync_links: list[Link], tp: int, pp: int, dp: int, microbatches: int, global_batch: int,
+def pipelines_floor(
+    costs: ModelCosts, kinds: list[tuple[int, list[float]]], transfers: list[tuple[float, float]], tp: int,
+    microbatches: int, global_batch: int,
 ) -> float:  # fmt: skip
-    """The floor of one placement: ``kinds`` its replica kinds as (count, each stage's unit peak) with
-    ``transfers`` each kind's stage-to-stage seconds a micro-batch as (fixed, per sample) summed over its
-    boundaries, and ``sync_links`` stage 0's data-parallel link. Each replica's pipeline is at least affine
+    """The slowest replica's pipeline, at least, over any shares of ``global_batch``: ``kinds`` the replica
+    kinds as (count, each stage's unit peak) with ``transfers`` each kind's stage-to-stage seconds a
+    micro-batch as (fixed, per sample) summed over its boundaries. Each replica's pipeline is at least affine
     in its samples n (compute: m·work/V; fill and pace: work/fastest + transfers + (m − 1)·work/V); over any
-    shares, the step is at least the average of those lines weighted by 1/slope."""
+    shares, the slowest is at least the average of those lines weighted by 1/slope. Replicas may differ in
+    depth (:mod:`~tessera.planner.mixed`)."""
     m, n = microbatches, costs.n_layers
     per_pass = (1 + costs.backward_ratio) / tp
     call, per_sample = costs.stage_forward_s(0, n, 0, 1.0), costs.stage_forward_s(0, n, 1, 1.0)
     per_sample -= call
     compute_lines, paced_lines = [], []
     for (count, peaks), (moving, moving_per_sample) in zip(kinds, transfers):
-        speed, fastest = sum(peaks), max(peaks)
+        speed, fastest, pp = sum(peaks), max(peaks), len(peaks)
         compute_lines += [(per_pass * m * call / speed, per_pass * per_sample / speed)] * count
         if m != pp:
             pace = 1 / fastest + (m - 1) / speed
@@ -117,11 +119,10 @@ def placement_floor(
             pace = 1 / (pp * fastest) + (m - 1) / speed
             line = (per_pass * call * pace, per_pass * per_sample * pace / m)
         paced_lines += [line] * count
-    floor = max(_over_shares(lines, global_batch) for lines in (compute_lines, paced_lines))
-    return floor + _stage_zero_sync(costs, tp, pp, dp, m, sync_links)
+    return max(over_shares(lines, global_batch) for lines in (compute_lines, paced_lines))
 
 
-def _over_shares(lines: list[tuple[float, float]], samples: int) -> float:
+def over_shares(lines: list[tuple[float, float]], samples: int) -> float:
     """min over shares (summing to ``samples``) of the largest fixed + slope × share: at least the average
     of the lines weighted by 1/slope (a relaxation: shares may be fractional, even negative)."""
     if any(slope <= 0 for _, slope in lines):

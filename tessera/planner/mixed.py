@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 from tessera.cluster.spec import Cluster, Link
 from tessera.plan import PipelineSpec, Plan, Replica
+from tessera.planner.bounds import pipelines_floor
 from tessera.planner.costmodel import INFEASIBLE, device_memory, pipeline_s, replica_optimizer_s, replica_sync_s
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, unit_of
+from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, transfers_s, unit_of
 from tessera.planner.space import proportional_split, splits
 
 DEPTH_LIMIT = 64  # depth combinations enumerated; above it, each pool's smallest depth that fits
@@ -170,6 +171,17 @@ class _Option:
     kinds: list[_Kind]  # one per replica (replicas of one pool and depth share the object)
     sync: float
 
+    def floor(self, costs: ModelCosts, global_batch: int, m: int) -> float:
+        """No shares or splits make this option's step shorter (:func:`~tessera.planner.bounds.pipelines_floor`,
+        then the sync)."""
+        kinds, transfers = [], []
+        for kind in dict.fromkeys(self.kinds):  # each kind once, with its replica count
+            p2p = (kind.pool.link,) * (kind.depth - 1)
+            one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
+            kinds.append((self.kinds.count(kind), [kind.pool.unit.peak_tflops] * kind.depth))
+            transfers.append((2 * one - two, two - one))
+        return pipelines_floor(costs, kinds, transfers, 1, m, global_batch) + self.sync
+
     def shares(self, total: int, exhaustive: bool) -> tuple[float, list[int], list[tuple]] | None:
         """(step, micro-batch size per replica summing to ``total``, split per replica), or None if nothing fits.
 
@@ -216,11 +228,13 @@ class _Option:
 
 
 def mixed_candidates(
-    cluster: Cluster, costs: ModelCosts, global_batch: int, counts: tuple[int, ...], exhaustive: bool = False
-) -> Iterator[tuple[float, Plan, MixedLayout, str]]:
+    cluster: Cluster, costs: ModelCosts, global_batch: int, counts: tuple[int, ...], exhaustive: bool = False,
+    beaten: float | None = None,
+) -> Iterator[tuple[float, Plan, MixedLayout, str]]:  # fmt: skip
     """(step, Plan, MixedLayout, label) of the best shares for every depth choice, micro-batch count and
     recompute; nothing on clusters over :data:`MAX_DEVICES` devices, nor where every pool has depth 1 (the
-    grid's DDP with uneven shares is that layout)."""
+    grid's DDP with uneven shares is that layout). A choice whose floor (its pipelines' and its sync) is above
+    ``beaten`` is skipped unjudged."""
     if cluster.world_size > MAX_DEVICES:
         return
     all_pools = pools(cluster, costs.precision)
@@ -240,6 +254,8 @@ def mixed_candidates(
                     kind = _Kind(costs, pool, d, m, schedule, recompute, r, link)
                     kinds += [kind] * (len(pool.devices) // d)
                 option = _Option(kinds, replica_sync_s(costs, link, r))
+                if beaten is not None and option.floor(costs, global_batch, m) > beaten:
+                    continue
                 found = option.shares(global_batch // m, exhaustive)
                 if found is not None:
                     step, sizes, stages = found

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
 from tessera.plan import PipelineSpec, Plan, grid_order
-from tessera.planner.bounds import placement_floor, step_floor
+from tessera.planner.bounds import over_shares, pipelines_floor, step_floor, sync_floor
 from tessera.planner.costmodel import INFEASIBLE, Estimate, device_memory, estimate, fits, stage_finish_s, step_time
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
@@ -75,7 +75,7 @@ from tessera.planner.space import (
 )
 
 # Below these counts the search enumerates instead of using heuristics.
-EXACT_BUDGET = 200_000  # share searches one (tp, pp) may spend on enumerating placements
+EXACT_BUDGET = 200_000  # share searches the whole search may spend on enumerating placements
 SPLIT_LIMIT = 200
 MAX_MOVES = 8  # one-layer moves from the proportional split, on large clusters
 
@@ -211,6 +211,36 @@ class _Evaluator:
         transfer, latency = values[2 * pp : 2 * pp + boundaries], values[2 * pp + boundaries :]
         return OpTimes(tuple(values[:pp]), tuple(values[pp : 2 * pp]), tuple(transfer), tuple(latency))
 
+    def holds(self, units_total: int) -> bool:
+        """Whether the replicas hold ``units_total`` samples a micro-batch between them, one at least each:
+        the greedy in :meth:`shares` runs out of memory exactly when they do not (no timing needed)."""
+        most = [min(self.max_micro_batch(k), units_total) for k in range(len(self.placed.kinds))]
+        room = sum(len(rs) * math.floor(b) for b, (_, _, rs) in zip(most, self.placed.kinds))
+        return units_total >= self.base.dp and min(most) >= 1 and room >= units_total
+
+    def floor(self, units_total: int) -> float:
+        """No shares make this evaluator's step shorter: each replica's pipeline is at least two lines in its
+        micro-batch b (m × its busiest stage's pass; the fill, transfers and m − 1 more of that stage: see
+        :mod:`~tessera.planner.bounds`), whose average over the replicas weighted by 1/slope no shares beat;
+        then stage 0's sync and optimizer step."""
+        m, pp = self.base.microbatches, self.base.pp
+        busy_lines, paced_lines = [], []
+        for kind, (_, _, replicas) in enumerate(self.placed.kinds):
+            self.op_times(kind, 1)  # fills the (fixed, per-sample) coefficients
+            ops = self._ops[kind]
+            passes = [(f[0] + b[0], f[1] + b[1]) for f, b in zip(ops[:pp], ops[pp : 2 * pp])]
+            busiest = max(passes, key=lambda line: line[0] + line[1] * units_total / self.base.dp)
+            total = (sum(f for f, _ in passes), sum(s for _, s in passes))
+            if m != pp or self.base.schedule == "gpipe":
+                moved = ops[2 * pp : 2 * pp + pp - 1]
+                fill = (total[0] + 2 * sum(f for f, _ in moved), total[1] + 2 * sum(s for _, s in moved))
+            else:  # 1f1b with m = pp: a 1/pp share of the fill, no transfers
+                fill = (total[0] / pp, total[1] / pp)
+            busy_lines += [(m * busiest[0], m * busiest[1])] * len(replicas)
+            paced_lines += [(fill[0] + (m - 1) * busiest[0], fill[1] + (m - 1) * busiest[1])] * len(replicas)
+        pipelines = max(over_shares(lines, units_total) for lines in (busy_lines, paced_lines))
+        return pipelines + self.tail[0]
+
     def time(self, kind: int, b: int) -> float:
         """Step time if this kind's replicas ran micro-batches of ``b`` (inf: out of memory)."""
         key = (kind, b)
@@ -225,11 +255,7 @@ class _Evaluator:
     def shares(self, units_total: int) -> tuple[float, list[int]] | None:
         """Greedy micro-batch sizes per replica summing to ``units_total``; (step, sizes) or None if nothing fits."""
         dp = self.base.dp
-        # Memory first (no timing needed): every replica must hold one sample, and the greedy below runs out
-        # of memory exactly when the replicas cannot hold the samples between them.
-        most = [min(self.max_micro_batch(k), units_total) for k in range(len(self.placed.kinds))]
-        room = sum(len(rs) * math.floor(b) for b, (_, _, rs) in zip(most, self.placed.kinds))
-        if units_total < dp or min(most) < 1 or room < units_total:
+        if not self.holds(units_total):
             return None
         size = [1] * dp
         heap = [(self.time(k, 2), k, r) for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs]
@@ -288,13 +314,11 @@ def search(
             break  # sorted by floor: no family left can reach the top
         counts = list(floors)
         n_splits = math.comb(costs.n_layers - 1, pp - 1)
-        per_placement = max(
-            1, len(counts) * len(option_sets(dp, pp, tp)) * (n_splits if n_splits <= split_limit else 1)
-        )
+        tried_splits = n_splits if n_splits <= split_limit else 1 + 2 * MAX_MOVES  # every one, or a walk
+        per_placement = max(1, len(counts) * len(option_sets(dp, pp, tp)) * tried_splits)
         tried = []  # (floor, placement's index, placement, {m: floor}): the most promising judged first
-        for i, (label, grid) in enumerate(
-            placements(units, pp, dp, min(placement_limit, budget // max(per_placement, 1)))
-        ):
+        limit = min(placement_limit, budget // len(families) // per_placement)  # the budget shared by all families
+        for i, (label, grid) in enumerate(placements(units, pp, dp, limit)):
             placed = _Placed.of(cluster, label, grid)
             own = {m: max(floors[m], _placement_floor(placed, costs, tp, m, global_batch)) for m in counts}
             tried.append((min(own.values(), default=INFEASIBLE), i, placed, own))
@@ -305,7 +329,10 @@ def search(
                 if (beaten := _top_step(best, top)) is not None and own[m] > beaten:
                     continue
                 for options in option_sets(dp, pp, tp):
-                    found = list(_best_splits(costs, placed, tp, m, options, global_batch // m, split_limit, memo))
+                    beaten = _top_step(best, top)
+                    found = list(
+                        _best_splits(costs, placed, tp, m, options, global_batch // m, split_limit, memo, beaten)
+                    )
                     for step, sizes, ev in found:
                         entry = (step, (index, i, next(counter)), (ev, sizes))  # ties: the earlier, simpler one
                         if (shape, m) not in best or entry < best[(shape, m)]:
@@ -313,7 +340,10 @@ def search(
                     if found and not exact:
                         break  # options run from fastest to most frugal: the first that fits wins
     counts = tuple(m for m in microbatches if global_batch % m == 0)
-    for step, plan, layout, label in mixed_candidates(cluster, costs, global_batch, counts) if mixed else ():
+    beaten = _top_step(best, top)
+    for step, plan, layout, label in (
+        mixed_candidates(cluster, costs, global_batch, counts, beaten=beaten) if mixed else ()
+    ):
         key = ("mixed", label, plan.pipeline.microbatches)
         entry = (step, (len(families), 0, next(counter)), (plan, layout, label))
         if key not in best or entry < best[key]:
@@ -328,15 +358,16 @@ def search(
 
 
 def _placement_floor(placed: _Placed, costs: ModelCosts, tp: int, m: int, global_batch: int) -> float:
-    """:func:`~tessera.planner.bounds.placement_floor` of ``placed``, its transfers affine in the micro-batch
-    as the evaluator takes them."""
+    """The floor of one placement: its replicas' pipelines (:func:`~tessera.planner.bounds.pipelines_floor`,
+    transfers affine in the micro-batch as the evaluator takes them), then stage 0's sync over its own link."""
     kinds, transfers = [], []
     for units, p2p, replicas in placed.kinds:
         kinds.append((len(replicas), [u.peak_tflops for u in units]))
         one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
         transfers.append((2 * one - two, two - one))
     pp, dp = len(placed.grid), len(placed.grid[0])
-    return placement_floor(costs, kinds, transfers, [placed.dp_links[0]], tp, pp, dp, m, global_batch)
+    pipelines = pipelines_floor(costs, kinds, transfers, tp, m, global_batch)
+    return pipelines + sync_floor(costs, tp, pp, dp, m, [placed.dp_links[0]])
 
 
 def _top_step(best: dict, top: int) -> float | None:
@@ -346,12 +377,15 @@ def _top_step(best: dict, top: int) -> float | None:
     return heapq.nsmallest(top, (entry[0] for entry in best.values()))[-1]
 
 
-def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit, memo: dict):
-    """(step, sizes, evaluator) of the best shares for each layer split tried."""
+def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit, memo: dict, beaten=None):
+    """(step, sizes, evaluator) of the best shares for each layer split tried (when every split is, those
+    whose floor is above ``beaten`` are skipped unjudged)."""
     pp = len(placed.grid)
     if math.comb(costs.n_layers - 1, pp - 1) <= split_limit:
         for stages in splits(costs.n_layers, pp):
             ev = _Evaluator(placed, costs, tp, m, stages, options, memo)
+            if beaten is not None and ev.holds(units_total) and ev.floor(units_total) > beaten:
+                continue
             found = ev.shares(units_total)
             if found is not None:
                 yield found[0], found[1], ev
