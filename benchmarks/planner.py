@@ -20,6 +20,13 @@ same 70B model from 256 devices, an 8B one (Llama-3-8B shape) below, where 70B f
 precision chosen as ``tessera plan`` does (fp16 where a type has no bf16). One search each on
 one core.
 
+Part s (scale: what ``tessera plan`` runs, on shapes it was not tuned on): ``scale_cluster`` seeds 0-39,
+16 to 4,096 devices: often every node with 8 devices, 1-3 types holding most nodes, host-like node names,
+1-3 regions of very different sizes, link rates drawn per cluster and up to 64 node pairs with links of
+their own. The whole ``plan_for`` (grid search, groups per region, subsets without the slowest devices,
+replicas of different depth), once per shape, one thread; run it under ``taskset -c 0`` for one core.
+70B from 256 devices, 8B below; precision as ``tessera plan`` chooses it.
+
 Part d (memory binds): two types, a fast device with little memory and a slow one with a lot.
 A 2.2 B-parameter Llama, fp32 Adam: the speed-proportional plan (uneven shares, plain DDP) does
 not fit the fast device; the planner's plan, and what it chose instead.
@@ -31,7 +38,7 @@ sync the planner picks), with what crosses the regions a step. Then the issue's 
 regions are not alike: part b's 4,096 devices (512 nodes of six types, three regions), each region
 planned alone as a fault-tolerant group of its own layout (``unlike_region_candidates``).
 
-    python benchmarks/planner.py [--part all|regret|time|family|memory|regions] [--reps 3] [--json out.json]
+    python benchmarks/planner.py [--part all|regret|time|family|scale|memory|regions] [--reps 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -170,6 +177,54 @@ def family_time(seeds: int, sizes: tuple[int, ...]) -> dict:
     return {"rows": rows, "worst_s": max(r["search_s"] for r in rows)}
 
 
+def scale_time(seeds: int) -> dict:
+    """What ``tessera plan`` runs (``plan_for``: the grid search, groups per region, smaller subsets, mixed
+    depths) on ``scale_cluster`` shapes of up to 4,096 devices, one planning each, on one core."""
+    from tessera.cluster.generate import scale_cluster
+    from tessera.planner import plan_for
+    from tessera.planner.precision import choose_precision
+
+    with torch.device("meta"):
+        shapes = {
+            "70B": Llama(LlamaConfig(max_seq_len=4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8,
+                                     ffn_dim=28672, vocab_size=128256)),
+            "8B": Llama(LlamaConfig(max_seq_len=4096, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8,
+                                    ffn_dim=14336, vocab_size=128256)),
+        }  # fmt: skip
+    rows = []
+    for seed in range(seeds):
+        cluster = scale_cluster(seed)
+        precision, _ = choose_precision(cluster, "auto")
+        name = "70B" if cluster.world_size >= 256 else "8B"  # a 70B model fits on no small cluster here
+        row: dict[str, Any] = {
+            "seed": seed,
+            "model": name,
+            "devices": cluster.world_size,
+            "nodes": len(cluster.nodes),
+            "per_node": sorted({n.count for n in cluster.nodes}),
+            "types": len({n.device_type for n in cluster.nodes}),
+            "regions": len({n.region for n in cluster.nodes}),
+            "pair_links": len(cluster.pair_links),
+        }
+        t0 = time.perf_counter()
+        try:
+            best = plan_for(cluster, shapes[name], 512, precision=precision, pin_precision=True)[0]
+            p = best.plan
+            row["best"] = f"dp{p.dp} tp{p.tp} pp{p.pp} zero{p.zero} ({best.placement[:60]})"
+            row["step_s"] = best.estimate.step_s
+        except PlanError as exc:
+            row["best"] = f"no plan: {str(exc)[:80]}"
+        row["plan_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(
+            f"seed {seed:2d} {name:3s} {row['devices']:5d} devices {row['nodes']:4d} nodes {row['types']} types "
+            f"{row['regions']} regions {row['pair_links']:2d} pair links: {row['plan_s']:.2f} s  {row['best']}",
+            flush=True,
+        )
+    times = sorted(r["plan_s"] for r in rows)
+    return {"rows": rows, "slowest_s": times[-1], "median_s": statistics.median(times)}
+
+
 def memory_bound() -> dict:
     costs = _costs("fp32", 1024, n_layers=16, dim=3072, n_heads=24, n_kv_heads=24, ffn_dim=8192, vocab_size=32000)
     cluster = Cluster.from_dict(
@@ -301,7 +356,8 @@ def unlike_regions(costs: Any) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "family", "memory", "regions"))
+    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "family", "scale", "memory", "regions"))
+    ap.add_argument("--scale-seeds", type=int, default=40, help="scale_cluster shapes planned in part scale")
     ap.add_argument("--family-seeds", type=int, default=3, help="generated clusters per size in part family")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clusters", type=int, default=24)
@@ -315,6 +371,8 @@ def main() -> None:
         result["search_time"] = search_time(args.reps)
     if args.part in ("all", "family"):
         result["family_time"] = family_time(args.family_seeds, (16, 24, 64, 256, 1024, 4096))
+    if args.part in ("all", "scale"):
+        result["scale_time"] = scale_time(args.scale_seeds)
     if args.part in ("all", "memory"):
         result["memory_bound"] = memory_bound()
     if args.part in ("all", "regions"):

@@ -23,8 +23,6 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from tessera.cluster.spec import Cluster, Link
 from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import Layout, grad_sync_s
@@ -63,16 +61,28 @@ def sync_floor(costs: ModelCosts, tp: int, pp: int, dp: int, m: int, links: list
     follows the replicas' pipelines (stage 0 finishes last)."""
     if dp <= 1 or any(link.backend == "gloo" for link in links):  # gloo's ZeRO-1 trees: not bounded here
         return 0.0
+    links = _unbeaten(links)
     stage = ((0, costs.n_layers),) if pp == 1 else ((0, 1),) + ((1, costs.n_layers),) * (pp - 1)
-    base = Layout(pp, dp, tp, stage, m, "1f1b" if m >= pp else "gpipe", 0, False, "none", (), (links[0],) * pp)
+    schedule = "1f1b" if m >= pp else "gpipe"
     return max(
         0.0,
         min(
-            grad_sync_s(replace(base, zero=o.zero, offload=o.offload, dp_links=(link,) * pp), costs, 0)
+            grad_sync_s(Layout(pp, dp, tp, stage, m, schedule, o.zero, o.offload, "none", (), (link,) * pp), costs, 0)
             for o in option_sets(dp, pp, tp)
             for link in links
         ),
     )
+
+
+def _unbeaten(links: list[Link]) -> list[Link]:
+    """``links`` less those another beats on both bandwidth and latency: a sync only grows as a link's
+    bandwidth falls or its latency rises (outside gloo, left out above), so the rest give the cheapest."""
+    figures = {(link.bandwidth_gbs, link.latency_us): link for link in links}
+    return [
+        link
+        for (bandwidth, latency), link in figures.items()
+        if not any(b >= bandwidth and t <= latency and (b, t) != (bandwidth, latency) for b, t in figures)
+    ]
 
 
 def _row_links(cluster: Cluster, units: list[Unit], dp: int) -> list[Link]:

@@ -39,6 +39,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from tessera.cluster.spec import Cluster, Link
 from tessera.errors import PlanError
@@ -415,7 +416,7 @@ class _Trial:
     ev: _Evaluator
     found: tuple[float, list[int]] | None
 
-    @property
+    @cached_property
     def score(self) -> tuple[int, float]:
         """Feasible by step time first; out of memory by how far over the fullest device is."""
         if self.found is not None:
