@@ -76,7 +76,7 @@ from tessera.planner.space import (
 )
 
 # Below these counts the search enumerates instead of using heuristics.
-EXACT_BUDGET = 200_000  # share searches the whole search may spend on enumerating placements
+EXACT_BUDGET = 1_000_000  # share searches the whole search may spend on enumerating placements
 SPLIT_LIMIT = 200
 MAX_MOVES = 8  # one-layer moves from the proportional split, on large clusters
 
@@ -310,7 +310,8 @@ def search(
         counts = [m for m in microbatches if global_batch % m == 0 and global_batch // m >= dp]
         floors = {m: step_floor(cluster, units, costs, tp, pp, dp, m, global_batch) for m in counts}
         families.append((min(floors.values(), default=INFEASIBLE), index, tp, pp, dp, units, floors))
-    for _, index, tp, pp, dp, units, floors in sorted(families, key=lambda f: f[:2]):
+    spent = 0  # share searches spent on enumerated placements: what a family leaves, later ones may use
+    for left, (_, index, tp, pp, dp, units, floors) in enumerate(sorted(families, key=lambda f: f[:2])):
         if (beaten := _top_step(best, top)) is not None and min(floors.values(), default=INFEASIBLE) > beaten:
             break  # sorted by floor: no family left can reach the top
         counts = list(floors)
@@ -318,7 +319,7 @@ def search(
         tried_splits = n_splits if n_splits <= split_limit else 1 + 2 * MAX_MOVES  # every one, or a walk
         per_placement = max(1, len(counts) * len(option_sets(dp, pp, tp)) * tried_splits)
         tried = []  # (floor, placement's index, placement, {m: floor}): the most promising judged first
-        limit = min(placement_limit, budget // len(families) // per_placement)  # the budget shared by all families
+        limit = min(placement_limit, (budget - spent) // (len(families) - left) // per_placement)  # shared budget
         for i, (label, grid) in enumerate(placements(units, pp, dp, limit)):
             placed = _Placed.of(cluster, label, grid)
             own = {m: max(floors[m], _placement_floor(placed, costs, tp, m, global_batch)) for m in counts}
@@ -329,6 +330,7 @@ def search(
             for m in counts:
                 if (beaten := _top_step(best, top)) is not None and own[m] > beaten:
                     continue
+                spent += per_placement // len(counts) if exact else 0  # judged: skipped ones cost next to nothing
                 for options in option_sets(dp, pp, tp):
                     beaten = _top_step(best, top)
                     found = list(
