@@ -321,3 +321,36 @@ def test_a_tensor_parallel_pair_is_timed_plain_and_sharded_together(live: LivePr
         assert (f.node, f.ranks) == ("a", (0, 1)) and f.plain_s > 0 and f.sharded_s > 0, f
     kept = replace(live, tensor_parallel=m, fsdp_pair=f)
     assert LiveProfile.load(kept.save(tmp_path / "live.json")) == kept
+
+
+def test_a_profile_knows_whether_other_processes_used_the_cpu_while_it_measured(
+    live: LiveProfile, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: on a busy machine a live profile mis-measured the speeds and the plan lost to uniform DDP with no
+    warning. Another process's load counts; the launcher's own children's (waited for inside) do not."""
+    import subprocess
+    import sys
+    import time
+
+    from tessera.planner.live import quiet
+    from tessera.planner.live.quiet import BUSY_CORES, CpuWatch
+
+    spin = [sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"]
+    other = subprocess.Popen(spin)  # started outside the watch: someone else's process
+    time.sleep(0.2)
+    with CpuWatch() as watch:
+        time.sleep(0.8)
+    other.wait()
+    assert watch.busy and watch.others_cores > BUSY_CORES, watch.others_cores
+    # The arithmetic, on given counters: 3 s of the machine's busy time in 2 s of wall, 2.5 of them the
+    # launcher's and the ranks' it waited for: others used 0.25 cores, which is not over the line.
+    now = {"clock": 100.0, "machine": 10.0, "own": 50.0}
+    monkeypatch.setattr(quiet, "_clock", lambda: now["clock"])
+    monkeypatch.setattr(quiet, "machine_busy_s", lambda: now["machine"])
+    monkeypatch.setattr(quiet, "own_busy_s", lambda: now["own"])
+    with CpuWatch() as own:
+        now.update(clock=102.0, machine=13.0, own=52.5)
+    assert own.others_cores == pytest.approx(0.25) and not own.busy
+    saved = live.save(tmp_path / "live.json")
+    LiveProfile.record_other_load(saved, watch.others_cores)
+    assert LiveProfile.load(saved).other_cpu_cores == pytest.approx(watch.others_cores, abs=1e-3)

@@ -161,6 +161,7 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     both): every rank confirms its seat with the kernel, and the profile's link is the shaped one."""
     from test_bad_input import GOOD
 
+    from tessera.planner.live.quiet import BUSY_CORES
     from tessera.planner.live.records import LiveProfile
 
     cluster = tmp_path / "cluster.yaml"
@@ -195,6 +196,9 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     # shares the CPUs, so within a factor of two)
     depth = max(64 * 1024, RATE * 0.004)
     assert 0.5 * depth <= link.burst_bytes <= 2 * depth, link
+    # the training job beside it is another process's load: recorded in the profile, warned of when over the line
+    assert "other_cpu_cores" in json.loads((tmp_path / "live.json").read_text())
+    assert (live.other_cpu_cores > BUSY_CORES) == ("other processes used" in profile_err), profile_err
 
 
 def test_counted_traffic_is_what_the_kernel_sent(tmp_path: Path) -> None:

@@ -129,9 +129,19 @@ def cluster_profile(args: argparse.Namespace) -> int:
         local_addr=args.local_addr,
         module=PROFILE_MODULE,
     )
-    if args.testbed:
-        if args.nnodes > 1:
-            raise ValueError("--testbed plays the cluster on this one machine: drop --nnodes with it.")
-        precision = plan_from_config(cfg.plan).precision
-        return launch_on_testbed(job, args.cluster, list(range(nproc)), args.testbed_cpus, precision)
-    return launch(job)
+    from tessera.planner.live.quiet import CpuWatch
+    from tessera.planner.live.records import LiveProfile
+
+    if args.testbed and args.nnodes > 1:
+        raise ValueError("--testbed plays the cluster on this one machine: drop --nnodes with it.")
+    with CpuWatch() as watch:  # were other processes using this machine while it was timed?
+        if args.testbed:
+            precision = plan_from_config(cfg.plan).precision
+            code = launch_on_testbed(job, args.cluster, list(range(nproc)), args.testbed_cpus, precision)
+        else:
+            code = launch(job)
+    if watch.busy:
+        print(f"tessera: warning: {watch.warning()}", file=sys.stderr)
+    if code == 0 and out.exists():  # rank 0 wrote it on this machine: the profile keeps what was seen
+        LiveProfile.record_other_load(out, watch.others_cores)
+    return code

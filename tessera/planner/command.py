@@ -19,6 +19,7 @@ from tessera.planner import ModelCosts, plan_for
 from tessera.planner.draw import draw
 from tessera.planner.layout import ranks_of
 from tessera.planner.live.inputs import measured_cluster, measured_costs
+from tessera.planner.live.quiet import BUSY_CORES, busy_warning
 from tessera.planner.live.records import LiveProfile
 from tessera.planner.outer import regions_of
 from tessera.planner.precision import choose_precision
@@ -52,6 +53,8 @@ def plan(args: argparse.Namespace) -> int:
     costs = ModelCosts.from_model(model, cfg.data.seq_len, precision)
     if args.profile:  # plan from what `tessera cluster profile` measured, not from declared figures
         live = LiveProfile.load(args.profile)
+        if live.other_cpu_cores > BUSY_CORES:
+            print(f"warning: {args.profile}: {busy_warning(live.other_cpu_cores)}")
         cluster, costs = measured_cluster(cluster, live), measured_costs(live, costs)
     found = plan_for(
         cluster, model, args.global_batch, precision=precision, top=args.top, costs=costs, pin_precision=True

@@ -24,6 +24,11 @@ How it is searched, one level at a time:
 6. Beside the grid: replicas whose pipelines differ in depth, one depth per pool of alike
    devices (:mod:`tessera.planner.mixed`), judged by the same cost functions.
 
+Families (tp, pp, dp, micro-batch count), their placements and, where every split is tried, their splits
+are judged most promising first, and skipped once the top plans are found if their floor under the cost
+model's step (:mod:`tessera.planner.bounds`) is above the last of them: only what could not enter the top
+is skipped. Enumerating placements spends a budget that all families share.
+
 :func:`exhaustive_search` tries every placement, split and share vector instead; tests and the
 regret benchmark hold the planner to it.
 

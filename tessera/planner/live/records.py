@@ -101,6 +101,8 @@ class LiveProfile:
     tensor_parallel: TensorParallelMeasurement | None = None  # None: no node has two ranks
     backend: str = "nccl"  # the collectives library the ranks ran (its links' Link.backend)
     fsdp_pair: FsdpPairMeasurement | None = None  # None: no node has two ranks
+    # Other processes' CPU load (cores, averaged) on the launching machine while it measured (quiet.CpuWatch)
+    other_cpu_cores: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -108,6 +110,13 @@ class LiveProfile:
     def save(self, path: str | Path) -> Path:
         Path(path).write_text(self.to_json() + "\n")
         return Path(path)
+
+    @staticmethod
+    def record_other_load(path: str | Path, cores: float) -> None:
+        """Write into the profile at ``path`` the other processes' load its launcher saw."""
+        data = json.loads(Path(path).read_text())
+        data["other_cpu_cores"] = round(cores, 3)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> LiveProfile:
