@@ -354,3 +354,28 @@ def test_a_profile_knows_whether_other_processes_used_the_cpu_while_it_measured(
     saved = live.save(tmp_path / "live.json")
     LiveProfile.record_other_load(saved, watch.others_cores)
     assert LiveProfile.load(saved).other_cpu_cores == pytest.approx(watch.others_cores, abs=1e-3)
+
+
+def test_tessera_plan_repeats_the_busy_warning_of_a_profile(live: LiveProfile, tmp_path: Path, capsys) -> None:
+    """A profile whose launcher saw other processes' load is planned from with a warning; a quiet one without."""
+    import yaml
+
+    from tessera.cli import main
+
+    config = {
+        "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
+        "data": {"seq_len": 16},
+        "train": {"global_batch_size": 8},
+    }  # the fixture's profiled model
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(CLUSTER))
+    said = []
+    for cores in (0.0, 1.5):
+        saved = live.save(tmp_path / "live.json")
+        LiveProfile.record_other_load(saved, cores)
+        argv = ["plan", "--model", str(tmp_path / "c.yaml"), "--cluster", str(tmp_path / "cluster.yaml"),
+                "--global-batch", "8", "--profile", str(saved), "--out", str(tmp_path / "plan.yaml"),
+                "--png", str(tmp_path / "plan.png")]  # fmt: skip
+        assert main(argv) == 0
+        said.append("other processes used 1.50 CPU cores" in capsys.readouterr().out)
+    assert said == [False, True]
