@@ -251,6 +251,15 @@ def test_fsdp_overhead_is_what_a_real_pair_measured_beyond_its_gathers_and_reduc
     speed_a = relative_speeds(live)["a"]
     assert fsdp_unit_overhead(replace(gloo, fsdp_pair=pair), costs, 1e-4) == pytest.approx(extra * speed_a)
     assert measured_costs(replace(gloo, fsdp_pair=pair), analytic).fsdp_unit_s == pytest.approx(extra * speed_a)
+    # Issue 35: with no node of two ranks the pair spans two nodes (its record the slower member's, on b):
+    # its collectives are priced by the a–b link, and b's seconds scaled to the fastest node's
+    between = next(k for k in live.links if set(k.nodes) == {"a", "b"})
+    wan = Link(between.bandwidth_gbs, between.latency_us, "gloo")
+    comm = steps * costs.stage_params(0, costs.n_layers) * 4 / 2 / (wan.bandwidth_gbs * 1e9)
+    comm += units * steps * wan.latency_us * 1e-6
+    across = FsdpPairMeasurement("b", (0, 2), 0.15, 0.15 + comm + 2 * units * extra, across="a")
+    speed_b = relative_speeds(live)["b"]
+    assert fsdp_unit_overhead(replace(gloo, fsdp_pair=across), costs, 1e-4) == pytest.approx(extra * speed_b)
 
 
 def test_the_activations_tp_keeps_whole_come_from_the_pairs_peaks(live: LiveProfile) -> None:

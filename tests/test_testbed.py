@@ -196,6 +196,8 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     # shares the CPUs, so within a factor of two)
     depth = max(64 * 1024, RATE * 0.004)
     assert 0.5 * depth <= link.burst_bytes <= 2 * depth, link
+    # no node has two ranks: FSDP was timed across the two nodes, the record the slower member's (b's)
+    assert live.fsdp_pair is not None and (live.fsdp_pair.node, live.fsdp_pair.across) == ("b", "a"), live.fsdp_pair
     # the training job beside it is another process's load: recorded in the profile, warned of when over the line
     assert "other_cpu_cores" in json.loads((tmp_path / "live.json").read_text())
     assert (live.other_cpu_cores > BUSY_CORES) == ("other processes used" in profile_err), profile_err

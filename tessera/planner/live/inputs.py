@@ -160,6 +160,17 @@ def measured_costs(live: LiveProfile, analytic: ModelCosts) -> ModelCosts:
     )
 
 
+def _pair_link(live: LiveProfile, a: str, b: str) -> Link:
+    """The measured link between nodes ``a`` and ``b``, where the profile timed FSDP across them."""
+    timed = [k for k in live.links if set(k.nodes) == {a, b}]
+    if not timed:
+        raise PlanError(
+            f"the live profile timed FSDP across nodes {a!r} and {b!r} but not the link between them: profile "
+            "again with `tessera cluster profile`."
+        )
+    return _measured_link(timed[0], live)
+
+
 def _node_link(live: LiveProfile, node: str, timed: str) -> Link:
     """The measured link inside ``node``, where the profile timed ``timed`` on a pair of its ranks."""
     own = [k for k in live.links if k.nodes == (node, node)]
@@ -174,12 +185,12 @@ def _node_link(live: LiveProfile, node: str, timed: str) -> Link:
 def fsdp_unit_overhead(live: LiveProfile, costs: ModelCosts, alone_s: float) -> float:
     """Seconds FSDP adds per unit (each block, and the root) and pass at the fastest node's speed, beyond
     the transfers both predictors count: from the measured pair, (sharded − plain − its gathers and
-    reduce-scatters priced by the node's link) / (2 passes × units). ``alone_s`` (the one-rank
-    measurement) where the profile has no pair."""
+    reduce-scatters priced by the node's link, or by the link between the pair's nodes when no node had
+    two ranks) / (2 passes × units). ``alone_s`` (the one-rank measurement) where the profile has no pair."""
     m = live.fsdp_pair
     if m is None:
         return alone_s
-    link = _node_link(live, m.node, "FSDP")
+    link = _node_link(live, m.node, "FSDP") if not m.across else _pair_link(live, m.node, m.across)
     n, units = len(m.ranks), costs.n_layers + 1
     # fully_shard's default reshards after the forward: a gather per unit in each pass, one reduce-scatter
     ring_steps = 2 * (n - 1) + link.reduce_scatter_steps(n)

@@ -32,6 +32,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         SIZES,
         all_reduce_gbs,
         collective_latency_us,
+        fastest_two,
         measure_comm_overlap,
         measure_fsdp_overhead,
         measure_fsdp_pair,
@@ -72,6 +73,12 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
                     model, cfg.data.seq_len, device, node, members, group, sizes, **timing
                 )
         dist.barrier()
+    elif world >= 2:  # no node has two ranks: FSDP over the two fastest, across their link (else it looks free)
+        members = fastest_two(speeds)
+        group = dist.new_group(list(members))
+        if rank in members:
+            fsdp_pair = measure_fsdp_pair(model, cfg.data.seq_len, device, mine.node, members, group, **timing)
+        dist.barrier()
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     mine.comm_overlap = measure_comm_overlap(device) if world > 1 else 1.0
@@ -80,7 +87,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     if rank == 0:
         where = f"testbed {seat.cgroup.split('/')[-2]}" if seat is not None else socket.gethostname()
         tp = next((t for _, t, _ in gathered if t is not None), None)
-        fsdp = next((f for _, _, f in gathered if f is not None), None)
+        fsdp = _fsdp_pair([f for _, _, f in gathered if f is not None])
         ranks = [r for r, _, _ in gathered]
         live = LiveProfile(
             model_key(model), cfg.data.seq_len, precision, where, ranks, links, latency, bus, tp, dist.get_backend(),
@@ -88,6 +95,19 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         )  # fmt: skip
         print(f"wrote {live.save(out)}", flush=True)
     shutdown()
+
+
+def _fsdp_pair(measured: list[Any]) -> Any:
+    """The FSDP pair's record: its first member's when both share a node; across two nodes, the slower
+    member's (its partner's sharded step includes waiting for it), naming the other node."""
+    if not measured:
+        return None
+    first = measured[0]
+    if len({m.node for m in measured}) == 1:
+        return first
+    slower = max(measured, key=lambda m: m.plain_s)
+    slower.across = next(m.node for m in measured if m is not slower)
+    return slower
 
 
 def _can_split_in_two(model: Any) -> bool:

@@ -162,6 +162,12 @@ def measure_fsdp_pair(
     return FsdpPairMeasurement(node, tuple(ranks), plain, sharded)
 
 
+def fastest_two(live_ranks: list[tuple[str, float]]) -> tuple[int, int]:
+    """The two fastest ranks (least block seconds), in rank order: FSDP's pair when no node has two ranks."""
+    first, second = sorted(range(len(live_ranks)), key=lambda r: (live_ranks[r][1], r))[:2]
+    return min(first, second), max(first, second)
+
+
 def tensor_parallel_pair(live_ranks: list[tuple[str, float]]) -> tuple[str, tuple[int, int]] | None:
     """The node whose two first ranks time tensor parallelism and FSDP: the fastest (median block seconds) of
     the nodes with two ranks or more; ``live_ranks`` is (node, block seconds) per rank. None: no such node."""

@@ -84,6 +84,9 @@ class FsdpPairMeasurement:
     ranks: tuple[int, ...]
     plain_s: float
     sharded_s: float
+    # Where no node has two ranks, the pair is the two fastest ranks on two nodes: ``node`` is the slower
+    # member's (whose timings these are: its partner waits for it, not the other way), ``across`` the other's.
+    across: str = ""
 
 
 @dataclass
@@ -100,7 +103,7 @@ class LiveProfile:
     all_reduce_gbs: float = 0.0  # bus bandwidth of a gradient-sized all-reduce over every rank
     tensor_parallel: TensorParallelMeasurement | None = None  # None: no node has two ranks
     backend: str = "nccl"  # the collectives library the ranks ran (its links' Link.backend)
-    fsdp_pair: FsdpPairMeasurement | None = None  # None: no node has two ranks
+    fsdp_pair: FsdpPairMeasurement | None = None  # None: a single rank
     # Other processes' CPU load (cores, averaged) on the launching machine while it measured (quiet.CpuWatch)
     other_cpu_cores: float = 0.0
 
