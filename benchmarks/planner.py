@@ -61,6 +61,10 @@ from tessera.planner.layout import layout_from_plan
 from tessera.planner.search import exhaustive_search, search
 from tessera.planner.simulate import simulate
 
+# The model shapes the time parts plan: Llama-70B's and Llama-3-8B's.
+LLAMA_70B = {"n_layers": 80, "dim": 8192, "n_heads": 64, "n_kv_heads": 8, "ffn_dim": 28672, "vocab_size": 128256}
+LLAMA_8B = {"n_layers": 32, "dim": 4096, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336, "vocab_size": 128256}
+
 
 def _costs(precision: str, seq: int, **config: Any) -> ModelCosts:
     with torch.device("meta"):
@@ -104,7 +108,7 @@ def regret(n_clusters: int) -> dict:
 
 
 def search_time(reps: int) -> dict:
-    costs = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    costs = _costs("bf16", 4096, **LLAMA_70B)
     types = ("H100", "A100-80GB", "A100-40GB", "L4", "A10", "RTX4090")
     rows = []
     for devices in (16, 64, 256, 1024, 4096):
@@ -137,8 +141,8 @@ def family_time(seeds: int, sizes: tuple[int, ...]) -> dict:
     from tessera.cluster.generate import family_cluster
     from tessera.planner.precision import choose_precision
 
-    big = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
-    small = _costs("bf16", 4096, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
+    big = _costs("bf16", 4096, **LLAMA_70B)
+    small = _costs("bf16", 4096, **LLAMA_8B)
     rows = []
     for devices in sizes:
         for seed in range(seeds):
@@ -185,12 +189,8 @@ def scale_time(seeds: int) -> dict:
     from tessera.planner.precision import choose_precision
 
     with torch.device("meta"):
-        shapes = {
-            "70B": Llama(LlamaConfig(max_seq_len=4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8,
-                                     ffn_dim=28672, vocab_size=128256)),
-            "8B": Llama(LlamaConfig(max_seq_len=4096, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8,
-                                    ffn_dim=14336, vocab_size=128256)),
-        }  # fmt: skip
+        shapes = {"70B": Llama(LlamaConfig(max_seq_len=4096, **LLAMA_70B)),
+                  "8B": Llama(LlamaConfig(max_seq_len=4096, **LLAMA_8B))}  # fmt: skip
     rows = []
     for seed in range(seeds):
         cluster = scale_cluster(seed)
@@ -276,7 +276,7 @@ def regions_outer() -> dict:
     """Part e: predicted step of the 70B shape on 3 alike regions, without and with the outer level."""
     from tessera.planner.outer import outer_candidates
 
-    costs = _costs("bf16", 4096, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+    costs = _costs("bf16", 4096, **LLAMA_70B)
     cluster, batch = regular_cluster(4608, ("H100",), regions=3), 1536
     start = time.perf_counter()
     flat = search(cluster, costs, batch, top=1)[0]

@@ -23,7 +23,7 @@ from tessera.planner import distinct, plan_for
 from tessera.planner.bounds import pipelines_floor, step_floor, sync_floor
 from tessera.planner.costmodel import estimate, replica_sync_s
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, MixedLayout, layout_from_plan, ranks_of, transfers_s
+from tessera.planner.layout import Layout, MixedLayout, layout_from_plan, ranks_of, transfers_line
 from tessera.planner.precision import choose_precision
 from tessera.planner.search import _Evaluator, _Placed, exhaustive_search, search
 from tessera.planner.simulate import simulate
@@ -91,7 +91,7 @@ def test_step_floor_is_below_every_layout_the_exhaustive_search_judges(costs: Mo
             units = units_of(cluster, layout.tp, measured.precision)
             floor = step_floor(cluster, units, measured, layout.tp, layout.pp, layout.dp, layout.microbatches, BATCH)
             kinds = [(r.count, [u.peak_tflops for u in r.units]) for r in layout.replicas]
-            transfers = [_affine(measured, r.p2p) for r in layout.replicas]
+            transfers = [transfers_line(measured, r.p2p) for r in layout.replicas]
             own = pipelines_floor(measured, kinds, transfers, layout.tp, layout.microbatches, BATCH) + sync_floor(
                 measured, layout.tp, layout.pp, layout.dp, layout.microbatches, [layout.dp_links[0]])  # fmt: skip
             assert max(floor, own) <= step * (1 + 1e-9), (layout, floor, own, step)
@@ -99,7 +99,7 @@ def test_step_floor_is_below_every_layout_the_exhaustive_search_judges(costs: Mo
         else:  # replicas of different depth: their pipelines, then their sync
             specs = [part.replicas[0] for part in layout.parts]
             kinds = [(1, [u.peak_tflops for u in spec.units]) for spec in specs]
-            transfers = [_affine(measured, spec.p2p) for spec in specs]
+            transfers = [transfers_line(measured, spec.p2p) for spec in specs]
             floor = pipelines_floor(measured, kinds, transfers, 1, layout.microbatches, BATCH)
             floor += replica_sync_s(measured, layout.sync_link, len(specs))
             assert floor <= step * (1 + 1e-9), (layout, floor, step)
@@ -128,13 +128,6 @@ def test_a_split_s_floor_is_below_its_best_shares(costs: ModelCosts, seed: int |
                             assert ev.floor(BATCH // m) <= found[0] * (1 + 1e-9), (tp, pp, dp, m, options, stages)
                             ratios.append(ev.floor(BATCH // m) / found[0])
     assert ratios and max(ratios) > 0.8, max(ratios, default=None)
-
-
-def _affine(costs: ModelCosts, p2p) -> tuple[float, float]:
-    """A replica's stage-to-stage seconds a micro-batch as (fixed, per sample): the line through its sums at
-    1 and 2 samples, as the search extends them to any micro-batch."""
-    one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
-    return 2 * one - two, two - one
 
 
 def test_generated_clusters_are_varied() -> None:

@@ -171,6 +171,13 @@ def transfers_s(costs: ModelCosts, p2p: tuple[Link, ...], b: int) -> tuple[tuple
     return transfer, tuple(min(link.latency_us * 1e-6, t) for link, t in zip(p2p, transfer))
 
 
+def transfers_line(costs: ModelCosts, p2p: tuple[Link, ...]) -> tuple[float, float]:
+    """A replica's stage-to-stage seconds a micro-batch, summed over its boundaries, as (fixed, per sample):
+    the line through 1 and 2 samples, as the search extends transfers to any micro-batch."""
+    one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
+    return 2 * one - two, two - one
+
+
 def wrapper_s(layout: Layout, costs: ModelCosts, first: int, end: int, peak_tflops: float, samples: int) -> float:
     """Seconds per pass that the runtime adds to a stage holding layers ``[first, end)`` at a micro-batch
     of ``samples``: FSDP's hooks and copies per unit (each block and the stage's root) under ZeRO-2/3,

@@ -42,7 +42,7 @@ from tessera.plan import PipelineSpec, Plan, Replica
 from tessera.planner.bounds import pipelines_floor
 from tessera.planner.costmodel import INFEASIBLE, device_memory, pipeline_s, replica_optimizer_s, replica_sync_s
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, transfers_s, unit_of
+from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, transfers_line, unit_of
 from tessera.planner.space import proportional_split, splits
 
 DEPTH_LIMIT = 64  # depth combinations enumerated; above it, each pool's smallest depth that fits
@@ -176,10 +176,8 @@ class _Option:
         then the sync)."""
         kinds, transfers = [], []
         for kind in dict.fromkeys(self.kinds):  # each kind once, with its replica count
-            p2p = (kind.pool.link,) * (kind.depth - 1)
-            one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
             kinds.append((self.kinds.count(kind), [kind.pool.unit.peak_tflops] * kind.depth))
-            transfers.append((2 * one - two, two - one))
+            transfers.append(transfers_line(costs, (kind.pool.link,) * (kind.depth - 1)))
         return pipelines_floor(costs, kinds, transfers, 1, m, global_batch) + self.sync
 
     def shares(self, total: int, exhaustive: bool) -> tuple[float, list[int], list[tuple]] | None:

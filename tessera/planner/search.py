@@ -64,6 +64,7 @@ from tessera.planner.layout import (
     optimizer_s,
     pipeline_links,
     stage_pass_s,
+    transfers_line,
     transfers_s,
 )
 from tessera.planner.mixed import mixed_candidates
@@ -371,8 +372,7 @@ def _placement_floor(placed: _Placed, costs: ModelCosts, tp: int, m: int, global
     kinds, transfers = [], []
     for units, p2p, replicas in placed.kinds:
         kinds.append((len(replicas), [u.peak_tflops for u in units]))
-        one, two = (sum(transfers_s(costs, p2p, b)[0]) for b in (1, 2))
-        transfers.append((2 * one - two, two - one))
+        transfers.append(transfers_line(costs, p2p))
     pp, dp = len(placed.grid), len(placed.grid[0])
     pipelines = pipelines_floor(costs, kinds, transfers, tp, m, global_batch)
     return pipelines + sync_floor(costs, tp, pp, dp, m, [placed.dp_links[0]])
