@@ -24,6 +24,8 @@ CASES = {
     "Ulysses sp vs sequence": ({"sp": 2}, {}, 33, 2, r"data.seq_len=33 does not divide by Plan.sp=2"),
     "split/gather sp vs sequence": ({"tp": 2, "sp": 2, "sp_mode": "split_gather"}, {}, 33, 2,
                                     r"data.seq_len=33 does not divide by Plan.sp \(split/gather"),
+    "a replica's tp vs heads": ({"replicas": [{"stages": [[0, 2]]}, {"stages": [[0, 2]], "tp": 3}]}, {}, 32, 4,
+                                r"Plan.replicas\[1\].tp: Plan.tp=3 does not divide tessera Llama n_heads=4"),
     "pp vs layers": ({"pp": 3, "microbatches": 3}, {}, 32, 3, r"3 stages .* but the model has only 2 layers"),
     "ep vs experts": ({"ep": 3}, {"moe": {"experts": 4, "top_k": 2}}, 32, 3,
                       r"plan.ep=3 splits each MoE layer's experts over 3 ranks, but the model has model.moe.experts=4"),

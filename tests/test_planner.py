@@ -98,7 +98,8 @@ def test_step_floor_is_below_every_layout_the_exhaustive_search_judges(costs: Mo
             ratios.append(max(floor, own) / step)
         else:  # replicas of different depth: their pipelines, then their sync
             specs = [part.replicas[0] for part in layout.parts]
-            kinds = [(1, [u.peak_tflops for u in spec.units]) for spec in specs]
+            # a replica's tp group computes at most tp times one device's speed
+            kinds = [(1, [u.peak_tflops * part.tp for u in part.replicas[0].units]) for part in layout.parts]
             transfers = [transfers_line(measured, spec.p2p) for spec in specs]
             floor = pipelines_floor(measured, kinds, transfers, 1, layout.microbatches, BATCH)
             floor += replica_sync_s(measured, layout.sync_link, len(specs))
@@ -502,16 +503,17 @@ def test_runtime_maps_a_placed_rank_to_its_gpu(monkeypatch) -> None:
 
 def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCosts, tmp_path) -> None:
     """Seed 106: four 3 GiB "small" devices beside three A100-80GB (7 devices: no dp × pp grid but
-    dp 7). The best plan gives each pool its own pipeline depth (the small devices need four stages
-    to fit, the A100s three), beats every grid plan, and is costed, simulated and rebuilt from its
-    Plan alike. (Seed 19, two regions, was the case before each DDP bucket paid the WAN's latency:
-    the grid wins there now.)"""
+    dp 7). The best plan without tensor parallelism gives each pool its own pipeline depth (the small
+    devices need four stages to fit, the A100s three), beats every grid plan, and is costed, simulated
+    and rebuilt from its Plan alike. (Splitting the small devices' replica by tp4 instead is better
+    still, and ranks first.) (Seed 19, two regions, was the case before each DDP bucket paid the WAN's
+    latency: the grid wins there now.)"""
     from tessera.planner.draw import draw
 
     cluster = random_cluster(106)
     found = search(cluster, costs, BATCH, top=60, microbatches=MICROBATCHES)
-    best = found[0]
-    assert best.plan.replicas is not None
+    assert found[0].plan.replicas is not None and {r.tp for r in found[0].plan.replicas} == {1, 4}
+    best = next(c for c in found if c.plan.replicas is not None and all(r.tp == 1 for r in c.plan.replicas))
     assert sorted(r.depth for r in best.plan.replicas) == [3, 4], best.placement
     grid = next(c for c in found if c.plan.replicas is None)
     assert best.estimate.step_s < grid.estimate.step_s * 0.9
@@ -522,6 +524,36 @@ def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCost
         (r, s) for r, replica in enumerate(best.plan.replicas) for s in range(replica.depth)
     }
     assert draw(best, cluster, costs, tmp_path / "mixed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tensor_parallelism_per_node_kind_beside_single_device_nodes(tmp_path) -> None:
+    """Two 8-device A100 nodes beside four single-device L4 nodes: no grid plan can use tp (one tp degree,
+    and a 1-device node), but replicas can each have their own: the best plan splits a whole model over the
+    devices of each A100 node (tp > 1) and gives each L4 a whole model (tp 1); it is costed, rebuilt from its
+    Plan and resolved on the cluster's 20 ranks alike."""
+    from tessera.planner.draw import draw
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=4, dim=2048, n_heads=32, n_kv_heads=8, ffn_dim=6144, vocab_size=32000))
+    nodes = [{"name": name, "devices": [{"type": "A100-80GB", "count": 8}]} for name in ("a", "b")]
+    nodes += [{"name": f"l{i}", "devices": [{"type": "L4", "count": 1}]} for i in range(4)]
+    cluster = Cluster.from_dict({"nodes": nodes})
+    found = plan_for(cluster, model, 16, seq_len=2048, top=10)
+    best = found[0]
+    assert best.plan.replicas is not None, best.placement
+    devices = cluster.devices()
+    by_node: dict[str, set[int]] = {}
+    for i, replica in enumerate(best.plan.replicas):
+        for rank in best.plan.resolve(cluster.world_size).replica_ranks(i):
+            by_node.setdefault(devices[best.plan.device_of(rank)][0], set()).add(replica.tp)
+    assert all(tps == {1} for node, tps in by_node.items() if node.startswith("l")), by_node
+    assert all(min(by_node[n]) > 1 for n in ("a", "b")), by_node  # tp inside the 8-device nodes
+    costs = ModelCosts.from_model(model, seq_len=2048, precision=best.plan.precision)
+    grid = search(cluster, costs, 16, top=1, mixed=False)[0]  # the best with one tp degree: tp 1
+    assert grid.plan.tp == 1 and best.estimate.step_s < grid.estimate.step_s, (best.placement, grid.placement)
+    rebuilt = layout_from_plan(best.plan, cluster, costs, 16)
+    assert math.isclose(estimate(rebuilt, costs).step_s, best.estimate.step_s, rel_tol=1e-9)
+    assert draw(best, cluster, costs, tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_zero1_sync_adds_the_owners_broadcasts(costs: ModelCosts) -> None:

@@ -24,7 +24,7 @@ from tessera import faults
 from tessera.checkpoint.files import dir_name, latest_checkpoint, run_checkpoints
 from tessera.checkpoint.parts import Part, Shelf, TorchOptimizerState
 from tessera.checkpoint.readers import errors_within
-from tessera.checkpoint.storable import to_storable
+from tessera.checkpoint.storable import STORE_WHOLE, to_storable
 from tessera.errors import RuntimeFault
 
 
@@ -73,7 +73,8 @@ def save_checkpoint(
         folder.mkdir(exist_ok=True)
         state = {"model": get_model_state_dict(model, options=model_options(frozen))}
         state.update({name: part.state_dict() for name, part in parts.items()})
-        dcp.save(to_storable(state), checkpoint_id=str(folder), process_group=shelf.members)
+        whole = getattr(model, STORE_WHOLE, False)
+        dcp.save(to_storable(state, whole), checkpoint_id=str(folder), process_group=shelf.members)
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         faults.during_save(step)
         dist.barrier()

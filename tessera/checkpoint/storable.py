@@ -14,6 +14,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera.data.sharding import map_tensors
 
+# Set (True) on a laid-out model whose ranks hold one parameter in different forms (a tp replica's DTensor
+# shards next to another replica's whole tensor): its checkpoints store every tensor whole.
+STORE_WHOLE = "_tessera_store_whole"
+
 
 def storable(placements: tuple) -> tuple | None:
     """Placements DCP can store for a DTensor laid out as ``placements``, or None if it can already.
@@ -30,12 +34,15 @@ def storable(placements: tuple) -> tuple | None:
     return tuple(out) if out != list(placements) else None
 
 
-def to_storable(tree: Any) -> Any:
+def to_storable(tree: Any, whole: bool = False) -> Any:
     """``tree`` with every DTensor DCP cannot store redistributed to placements it can (a copy), and every
-    weight that a wrapper subclass holds (:func:`unwrapped`) as its plain data."""
+    weight that a wrapper subclass holds (:func:`unwrapped`) as its plain data. ``whole``: every DTensor
+    gathered into a plain tensor (replicas that differ in tp, whose ranks must all save one form)."""
 
     def stored(t: torch.Tensor) -> torch.Tensor:
         t = unwrapped(t)
+        if whole and isinstance(t, DTensor):
+            return t.full_tensor()
         placements = storable(t.placements) if isinstance(t, DTensor) else None
         return t.redistribute(placements=placements) if placements is not None else t
 

@@ -268,7 +268,7 @@ def _check_checkpoint(cfg: Config, latest: Path) -> None:
 def _check_shapes(cfg: Config, plans: list[Plan]) -> None:
     """Each plan's tp, sp, ep and pp against the model's shapes, on the model built once on meta (no memory),
     and only when some plan splits the model."""
-    splitting = [p for p in plans if max(p.tp, p.sp, p.ep, p.pp) > 1]
+    splitting = [p for p in plans if max(p.tp, p.sp, p.ep, p.pp, *(r.tp for r in p.replicas or ())) > 1]
     if not splitting:
         return
     import torch

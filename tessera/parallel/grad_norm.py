@@ -37,6 +37,7 @@ def global_grad_norm(
     across: Sequence[dist.ProcessGroup] = (),
     uncounted: Collection[int] = (),
     split: Mapping[int, tuple[dist.ProcessGroup, ...]] = {},
+    pieces: bool = False,
 ) -> torch.Tensor:
     """The norm of all gradients as if the model were on one device (every rank gets it).
 
@@ -44,7 +45,9 @@ def global_grad_norm(
     totals are combined over them once, after the sharded parts are complete. ``uncounted``:
     ids of parameters whose gradient another rank counts (a tied weight's second copy).
     ``split``: for plain parameters split by hand (uneven expert shares), by id, the groups
-    their elements are split over."""
+    their elements are split over. ``pieces``: every counted local part is a piece no other counted part
+    repeats (replicas that differ in tp): they are added over ``across`` alone, not first over their
+    shard groups."""
     grads = [(p, p.grad) for p in params if p.grad is not None and id(p) not in uncounted]
     inf_norm = math.isinf(norm_type)
     if not inf_norm and norm_type != 2.0:
@@ -56,7 +59,7 @@ def global_grad_norm(
     for p, g in grads:
         t = local(g).float()
         part = _partial(t, inf_norm)
-        groups = _shard_groups(g) + split.get(id(p), ())
+        groups = () if pieces else _shard_groups(g) + split.get(id(p), ())
         if groups:
             acc = sharded.setdefault(tuple(id(x) for x in groups), (torch.zeros((), device=t.device), groups))[0]
         else:
@@ -84,15 +87,16 @@ def clip_grads_(
     across: Sequence[dist.ProcessGroup] = (),
     uncounted: Collection[int] = (),
     split: Mapping[int, tuple[dist.ProcessGroup, ...]] = {},
+    pieces: bool = False,
 ) -> torch.Tensor:
-    """Clip gradients in place to ``max_norm`` of the global norm; return that norm (``split``: as for
-    :func:`global_grad_norm`).
+    """Clip gradients in place to ``max_norm`` of the global norm; return that norm (``split``, ``pieces``: as
+    for :func:`global_grad_norm`).
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: scale by
     ``max_norm / (norm + 1e-6)`` when that is below one.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type, across, uncounted, split)
+    total = global_grad_norm(params, norm_type, across, uncounted, split, pieces)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:

@@ -86,9 +86,10 @@ class Plan:
             the planner uses it to put each device where it belongs on the mesh (ranks are laid out
             row-major over pp, dp, tp|sp). ``None``: rank i runs on device i. A plan may leave devices
             out (the planner does when a slow device costs more than it gives): they are not named.
-        replicas: data-parallel replicas whose pipelines differ in depth (:class:`Replica`), instead
-            of dp × pp: replica i takes the next ``depth`` ranks, one stage each, and every layer's
-            gradient is averaged over the ranks that hold it. Needs tp = sp = pp = 1 and ZeRO-0;
+        replicas: data-parallel replicas whose pipelines differ in depth, or in tensor parallelism
+            (:class:`Replica`), instead of dp × pp: replica i takes the next ``depth`` ranks, one
+            stage each, or ``tp`` ranks splitting a whole model (tp per node kind), and every layer's
+            gradient is averaged over the ranks that hold it. Needs Plan.tp = sp = pp = 1 and ZeRO-0;
             micro-batches and schedule come from ``pipeline``.
         groups: the ranks split into equal groups (regions) that train apart and meet at an outer
             synchronisation (:class:`~tessera.plan.groups.Groups`: DiLoCo, or none). Every other field
@@ -264,6 +265,12 @@ class Plan:
                 "(its last stage ends at the model's last layer)."
             )
         for i, replica in enumerate(self.replicas):
+            if replica.tp > 1 and replica.depth > 1:
+                raise NotSupportedYet(
+                    f"Plan.replicas[{i}] has tp={replica.tp} and {replica.depth} pipeline stages: tensor parallelism "
+                    "inside a pipelined replica is not supported yet. Give the tp replica the whole model "
+                    "(stages [[0, n_layers]]), or lay every replica out alike on a grid (Plan.tp with Plan.pp)."
+                )
             if replica.depth > 1:
                 try:
                     dataclasses.replace(self.pipeline, stages=replica.stages).check_schedule(replica.depth)

@@ -109,11 +109,12 @@ def resolve(plan: Plan, world_size: int) -> Plan:
 
 def _resolve_replicas(plan: Plan, world_size: int) -> Plan:
     assert plan.replicas is not None
-    depths = [r.depth for r in plan.replicas]
-    if sum(depths) != world_size:
+    sizes = [r.size for r in plan.replicas]
+    if sum(sizes) != world_size:
+        shown = "+".join(f"{r.depth}x tp{r.tp}" if r.tp > 1 else str(r.depth) for r in plan.replicas)
         raise PlanError(
-            f"Plan.replicas need {sum(depths)} ranks (depths {'+'.join(map(str, depths))}) but the job has "
-            f"{world_size}: launch {sum(depths)} ranks or change the replicas."
+            f"Plan.replicas need {sum(sizes)} ranks (depths {shown}) but the job has "
+            f"{world_size}: launch {sum(sizes)} ranks or change the replicas."
         )
     _check_rank_lists(plan, world_size)
     if plan.groups is not None:
@@ -218,9 +219,10 @@ def coords(plan: Plan, rank: int) -> RankCoords:
     if plan.replicas is not None:
         first = 0
         for index, replica in enumerate(plan.replicas):
-            if rank < first + replica.depth:
-                return RankCoords(pp=rank - first, dp=index)
-            first += replica.depth
+            if rank < first + replica.size:
+                stage, tp = divmod(rank - first, replica.tp)
+                return RankCoords(pp=stage, dp=index, tp=tp)
+            first += replica.size
         raise PlanError(f"rank {rank} is past the {first} ranks of Plan.replicas.")
     if plan.dp is None:
         raise PlanError(UNRESOLVED)
@@ -234,7 +236,7 @@ def coords(plan: Plan, rank: int) -> RankCoords:
 def rank_at(plan: Plan, at: RankCoords) -> int:
     """The global rank at ``at`` (the inverse of :func:`coords`)."""
     if plan.replicas is not None:
-        return sum(r.depth for r in plan.replicas[: at.dp]) + at.pp
+        return sum(r.size for r in plan.replicas[: at.dp]) + at.pp * plan.replicas[at.dp].tp + at.tp
     if plan.dp is None:
         raise PlanError(UNRESOLVED)
     inner = (at.pp * plan.dp + at.dp) * plan.tp * plan.ulysses_size + at.tp + at.sp
@@ -242,9 +244,11 @@ def rank_at(plan: Plan, at: RankCoords) -> int:
 
 
 def replica_ranks(plan: Plan, index: int) -> list[int]:
-    """The global ranks of replica ``index`` of a ``Plan.replicas`` plan, in stage order."""
+    """The global ranks of replica ``index`` of a ``Plan.replicas`` plan, in stage order (a stage's tp ranks
+    next to each other)."""
     assert plan.replicas is not None
-    return [rank_at(plan, RankCoords(pp=s, dp=index)) for s in range(plan.replicas[index].depth)]
+    replica = plan.replicas[index]
+    return [rank_at(plan, RankCoords(pp=s, dp=index, tp=t)) for s in range(replica.depth) for t in range(replica.tp)]
 
 
 def device_of(plan: Plan, rank: int) -> int:

@@ -116,7 +116,9 @@ class Replica:
 
     ``stages``: the ``(first_layer, end_layer)`` range of each of its pipeline stages, one rank
     each; a single stage ``((0, n_layers),)`` is a whole model on one device. ``share``: its
-    relative number of samples of every global batch.
+    relative number of samples of every global batch. ``tp``: tensor-parallel ranks holding the
+    replica (a whole model split over the ``tp`` devices of one node, next to replicas of one
+    device: tp8 inside 8-device nodes, tp1 on single-device ones); a pipelined replica keeps tp 1.
 
     Example (the Zorse shape: one fast device holds all 8 layers, two slow ones split them):
         >>> plan = Plan(replicas=(Replica([(0, 8)], share=2), Replica([(0, 4), (4, 8)])), pipeline={"microbatches": 2})
@@ -126,14 +128,20 @@ class Replica:
 
     stages: tuple[tuple[int, int], ...]
     share: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", as_tuple(self.stages))
 
     @property
     def depth(self) -> int:
-        """Pipeline stages, and so ranks, of this replica."""
+        """Pipeline stages of this replica."""
         return len(self.stages)
+
+    @property
+    def size(self) -> int:
+        """Ranks of this replica: ``tp`` per stage."""
+        return self.depth * self.tp
 
 
 def replicas_from(value: Any) -> tuple[Replica, ...]:
@@ -149,5 +157,6 @@ def replicas_from(value: Any) -> tuple[Replica, ...]:
             raise PlanError(f"Plan.replicas[{i}] must be a Replica or a mapping with stages and share, got {item!r}.")
         check_ranges(f"replicas[{i}].stages", replica.stages)
         check_int(f"replicas[{i}].share", replica.share, maximum=MAX_COUNT)
+        check_int(f"replicas[{i}].tp", replica.tp, maximum=MAX_COUNT)
         out.append(replica)
     return tuple(out)

@@ -32,7 +32,8 @@ def draw(candidate, cluster: Cluster, costs: ModelCosts, path: str | Path) -> Pa
 
     plan, layout = candidate.plan, candidate.layout
     if plan.replicas is not None:  # replicas of different depth: one row per rank
-        rows, shape = ranks_of(plan, cluster), f"replicas of depths {'+'.join(str(r.depth) for r in plan.replicas)}"
+        shown = "+".join(f"tp{r.tp}" if r.tp > 1 else str(r.depth) for r in plan.replicas)
+        rows, shape = ranks_of(plan, cluster), f"replicas of depths {shown}"
     else:
         rows, shape = layout.pp * len(layout.replicas), f"dp={plan.dp} tp={plan.tp} pp={plan.pp}"
     own = plan.groups is not None and plan.groups.layouts is not None

@@ -415,13 +415,14 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
                 f"Plan.replicas[{i}] takes {n} samples, which Plan.pipeline.microbatches={m} does not divide."
             )
         members = [plan.device_of(rank) for rank in ranks]
-        units = tuple(unit_of(cluster, [devices[d]], costs.precision) for d in members)
-        nodes = [devices[d][0] for d in members]
+        groups = [members[s * replica.tp : (s + 1) * replica.tp] for s in range(replica.depth)]  # each stage's tp
+        units = tuple(unit_of(cluster, [devices[d] for d in group], costs.precision) for group in groups)
+        nodes = [devices[group[0]][0] for group in groups]
         p2p = tuple(cluster.link(a, b) for a, b in zip(nodes, nodes[1:]))
         spec = ReplicaSpec(1, units, p2p, n // m)
         parts.append(
-            Layout(replica.depth, r, 1, replica.stages, m, plan.pipeline.schedule, 0, False, plan.recompute, (spec,),
-                   (link,) * replica.depth)
+            Layout(replica.depth, r, replica.tp, replica.stages, m, plan.pipeline.schedule, 0, False, plan.recompute,
+                   (spec,), (link,) * replica.depth)
         )  # fmt: skip
         placed.append(tuple(members))
     return MixedLayout(tuple(parts), link, tuple(placed))

@@ -45,7 +45,8 @@ from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, transfers_line, unit_of
 from tessera.planner.space import proportional_split, splits
 
-DEPTH_LIMIT = 64  # depth combinations enumerated; above it, each pool's smallest depth that fits
+DEPTH_LIMIT = 64  # shape combinations enumerated; above it, per kind of pool, then each pool's smallest
+TP_DEGREES = (2, 4, 8)  # a replica's tp inside one node, as the grid's
 MAX_DEVICES = 64  # larger clusters are planned on the grid only (search time)
 SPLIT_LIMIT = 200
 RECOMPUTE = ("none", "full")
@@ -82,16 +83,20 @@ def _pool(cluster: Cluster, run: list[int], dtype: str) -> Pool:
 
 
 class _Kind:
-    """One pool's replicas at one depth: each layer split's optimizer step, and its pipeline time per micro-batch."""
+    """One pool's replicas at one depth (or one tp degree): each layer split's optimizer step, and its pipeline
+    time per micro-batch."""
 
-    def __init__(self, costs, pool: Pool, depth: int, m: int, schedule: str, recompute: str, r: int, link: Link):
-        self.costs, self.pool, self.depth = costs, pool, depth
+    def __init__(
+        self, costs, pool: Pool, shape: tuple[int, int], m: int, schedule: str, recompute: str, r: int, link: Link
+    ):
+        self.costs, self.pool = costs, pool
+        self.depth, self.tp = shape
         self.args = (m, schedule, recompute, r, link)
-        n_splits = math.comb(costs.n_layers - 1, depth - 1)
+        n_splits = math.comb(costs.n_layers - 1, self.depth - 1)
         self.splits = (
-            list(splits(costs.n_layers, depth))
+            list(splits(costs.n_layers, self.depth))
             if n_splits <= SPLIT_LIMIT
-            else [proportional_split(costs, [1.0] * depth)]
+            else [proportional_split(costs, [1.0] * self.depth)]
         )
         self.optimizer = {st: replica_optimizer_s(self.view(st, 1), costs) for st in self.splits}  # not in b
         self._pipe: dict[tuple[tuple, int], float] = {}
@@ -103,7 +108,7 @@ class _Kind:
         m, schedule, recompute, r, link = self.args
         d = len(stages)
         spec = ReplicaSpec(1, (self.pool.unit,) * d, (self.pool.link,) * (d - 1), b)
-        return Layout(d, r, 1, stages, m, schedule, 0, False, recompute, (spec,), (link,) * d)
+        return Layout(d, r, self.tp, stages, m, schedule, 0, False, recompute, (spec,), (link,) * d)
 
     def pipeline(self, stages, b: int) -> float:
         """Pipeline seconds with ``stages`` at micro-batch ``b`` (inf: a stage runs out of memory)."""
@@ -137,31 +142,47 @@ class _Kind:
         return running[i - 1] if i else (INFEASIBLE, self.splits[0])
 
 
-def _depths(pool: Pool, n_layers: int) -> list[int]:
-    return [d for d in range(1, min(len(pool.devices), n_layers) + 1) if len(pool.devices) % d == 0]
+def _shapes(pool: Pool, costs: ModelCosts) -> list[tuple[int, int]]:
+    """A pool's replica shapes (depth, tp): pipelines of every depth dividing its size, and whole models split
+    over tp devices (tp dividing its size and the model's heads)."""
+    n = len(pool.devices)
+    depths = [(d, 1) for d in range(1, min(n, costs.n_layers) + 1) if n % d == 0]
+    return depths + [(1, t) for t in TP_DEGREES if t <= n and n % t == 0 and costs.heads % t == 0]
 
 
-def depth_choices(costs: ModelCosts, all_pools: list[Pool], m: int) -> Iterator[tuple[int, ...]]:
-    """Every depth per pool, or (too many) each pool's smallest depth whose replicas fit at micro-batch 1."""
-    per_pool = [_depths(p, costs.n_layers) for p in all_pools]
+def depth_choices(costs: ModelCosts, all_pools: list[Pool], m: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """A replica shape (depth, tp) per pool: every combination; or, when there are too many, every shape per
+    kind of pool (alike pools alike); or (still too many) each pool's smallest depth whose replicas fit at
+    micro-batch 1, and beside it each pool's smallest tp that fits."""
+    per_pool = [_shapes(p, costs) for p in all_pools]
     if math.prod(len(c) for c in per_pool) <= DEPTH_LIMIT:
         yield from itertools.product(*per_pool)
         return
-    smallest = []
-    for pool, choices in zip(all_pools, per_pool):
-        link = pool.link
-        fit = next(
-            (
-                d
-                for d in choices
-                if _Kind(costs, pool, d, m, "gpipe", "full", 2, link).best(1, INFEASIBLE)[0] < INFEASIBLE
-            ),
-            None,
-        )
-        if fit is None:
-            return
-        smallest.append(fit)
-    yield tuple(smallest)
+    kinds = list(dict.fromkeys(_alike(p) for p in all_pools))
+    per_kind = [_shapes(next(p for p in all_pools if _alike(p) == k), costs) for k in kinds]
+    if math.prod(len(c) for c in per_kind) <= DEPTH_LIMIT:
+        for chosen in itertools.product(*per_kind):
+            by_kind = dict(zip(kinds, chosen))
+            yield tuple(by_kind[_alike(p)] for p in all_pools)
+        return
+    for split in ("depth", "tp"):
+        smallest = []
+        for pool, choices in zip(all_pools, per_pool):
+            tried = [c for c in choices if c[1] == 1] if split == "depth" else [c for c in choices if c[0] == 1]
+            fit = next((c for c in tried if _fits(costs, pool, c, m)), None)
+            if fit is None:
+                break
+            smallest.append(fit)
+        else:
+            yield tuple(smallest)
+
+
+def _alike(pool: Pool) -> tuple:
+    return (pool.unit, len(pool.devices), pool.link)
+
+
+def _fits(costs: ModelCosts, pool: Pool, shape: tuple[int, int], m: int) -> bool:
+    return _Kind(costs, pool, shape, m, "gpipe", "full", 2, pool.link).best(1, INFEASIBLE)[0] < INFEASIBLE
 
 
 @dataclass
@@ -176,7 +197,8 @@ class _Option:
         then the sync)."""
         kinds, transfers = [], []
         for kind in dict.fromkeys(self.kinds):  # each kind once, with its replica count
-            kinds.append((self.kinds.count(kind), [kind.pool.unit.peak_tflops] * kind.depth))
+            # a tp group at best computes tp times as fast as one device (its collectives cost more)
+            kinds.append((self.kinds.count(kind), [kind.pool.unit.peak_tflops * kind.tp] * kind.depth))
             transfers.append(transfers_line(costs, (kind.pool.link,) * (kind.depth - 1)))
         return pipelines_floor(costs, kinds, transfers, 1, m, global_batch) + self.sync
 
@@ -240,17 +262,17 @@ def mixed_candidates(
     link = cluster.worst_link({devices[i][0] for i in range(len(devices))})
     for m in counts:
         for depths in depth_choices(costs, all_pools, m):
-            if max(depths) == 1:  # every replica whole: the grid's DDP with uneven shares, which DDP runs
-                continue  # (the replicas engine ran the same layout 3 % slower on the testbed)
-            r = sum(len(p.devices) // d for p, d in zip(all_pools, depths))
+            if max(d * t for d, t in depths) == 1:  # every replica one device: the grid's DDP with uneven shares,
+                continue  # which DDP runs (the replicas engine ran the same layout 3 % slower on the testbed)
+            r = sum(len(p.devices) // (d * t) for p, (d, t) in zip(all_pools, depths))
             if r < 2 or global_batch // m < r:
                 continue  # one replica: the grid's plain pipeline
-            schedule = "1f1b" if m >= max(depths) else "gpipe"
+            schedule = "1f1b" if m >= max(d for d, _ in depths) else "gpipe"
             for recompute in RECOMPUTE:
                 kinds = []
-                for pool, d in zip(all_pools, depths):
-                    kind = _Kind(costs, pool, d, m, schedule, recompute, r, link)
-                    kinds += [kind] * (len(pool.devices) // d)
+                for pool, shape in zip(all_pools, depths):
+                    kind = _Kind(costs, pool, shape, m, schedule, recompute, r, link)
+                    kinds += [kind] * (len(pool.devices) // (shape[0] * shape[1]))
                 option = _Option(kinds, replica_sync_s(costs, link, r))
                 if beaten is not None and option.floor(costs, global_batch, m) > beaten:
                     continue
@@ -261,9 +283,10 @@ def mixed_candidates(
                     yield step, plan, layout, _label(all_pools, depths)
 
 
-def _label(all_pools: list[Pool], depths: tuple[int, ...]) -> str:
+def _label(all_pools: list[Pool], shapes: tuple[tuple[int, int], ...]) -> str:
     return "mixed depths: " + " + ".join(
-        f"{len(p.devices) // d}x{p.unit.device} depth {d}" for p, d in zip(all_pools, depths)
+        f"{len(p.devices) // (d * t)}x{p.unit.device} " + (f"tp{t}" if t > 1 else f"depth {d}")
+        for p, (d, t) in zip(all_pools, shapes)
     )
 
 
@@ -272,9 +295,9 @@ def _plan(cluster, costs, all_pools, kinds, sizes, stage_splits, link) -> tuple[
     replicas, parts, placed = [], [], []
     devices = iter(d for p in all_pools for d in p.devices)
     for kind, b, stages in zip(kinds, sizes, stage_splits):
-        replicas.append(Replica(stages, share=b * m))
+        replicas.append(Replica(stages, share=b * m, tp=kind.tp))
         parts.append(kind.view(stages, b))
-        placed.append(tuple(next(devices) for _ in range(kind.depth)))
+        placed.append(tuple(next(devices) for _ in range(kind.depth * kind.tp)))
     names = cluster.devices()
     plan = Plan(
         replicas=tuple(replicas),

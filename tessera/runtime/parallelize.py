@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.errors import PlanError
@@ -35,12 +36,14 @@ def parallelize(
     hooks: Hooks,
     device: torch.device,
     model: nn.Module | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Lay ``module`` out as ``plan`` says and return what to train (a wrapper or ``module``).
 
     ``model``: the whole model when ``module`` is one of its pipeline stages (the policy reads
     its configuration). ``meshes``: None when the plan has no grid (Plan.replicas): then only
-    precision applies, gradients being averaged by the replicas engine.
+    precision, recompute and a replica's own tensor parallelism (over ``tp_mesh``) apply, gradients
+    being averaged by the replicas engine.
     """
     model = model if model is not None else module
     # Pretrained weights (model.pretrained): the parameters are still on meta; each rank gives the ones it
@@ -58,10 +61,13 @@ def parallelize(
             raise PlanError(problem)
         apply_float8(blocks, plan.fp8_recipe, plan.fp8_emulate, fsdp)
     if plan.tp > 1:
-        assert policy is not None and meshes is not None, "the engine checks tp against the policy first"
+        assert meshes is not None
+        tp_mesh = meshes.mesh["tp"]
+    if tp_mesh is not None:
+        assert policy is not None, "the engine checks tp against the policy first"
         split_gather = plan.sp > 1 and plan.sp_mode == "split_gather"
         apply_tensor_parallel(
-            module, model, policy, meshes.mesh["tp"], sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
+            module, model, policy, tp_mesh, sequence_parallel=split_gather, loss_parallel=plan.loss_parallel
         )
     experts, own = expert_modules(module), []
     # FSDP, and torch's FSDP-based replicate that stands for DDP under tp, take the experts as units of their own

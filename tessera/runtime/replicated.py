@@ -1,5 +1,6 @@
-"""Replicas of different depth (``Plan.replicas``): each replica a whole model on one rank or a
-pipeline over several, every layer's gradient averaged over the ranks that hold it."""
+"""Replicas of different depth (``Plan.replicas``): each replica a whole model on one rank, split over
+the tp ranks of one node, or a pipeline over several ranks; every piece of a layer's gradient averaged
+over the ranks that hold it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from tessera.checkpoint.storable import STORE_WHOLE
 from tessera.errors import PlanError
+from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model
 from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
 from tessera.runtime.engine import Context, Engine, LossFn
@@ -45,6 +49,16 @@ class ReplicasEngine(Engine):
                     dataclasses.replace(plan.pipeline, stages=other.stages).check_layers(n_layers)
                 except PlanError as exc:
                     raise PlanError(f"Plan.replicas[{i}]: {exc}") from None
+        tp_mesh = None
+        if replica.tp > 1:  # this replica's own tensor parallelism, over its ranks (a whole model: depth 1)
+            policy = ctx.require_policy(f"tensor parallelism in Plan.replicas[{self.replica.index}]")
+            for i, other in enumerate(plan.replicas):
+                try:
+                    policy.check_tp(model, other.tp)
+                except PlanError as exc:
+                    raise PlanError(f"Plan.replicas[{i}].tp: {exc}") from None
+            assert self.group is not None
+            tp_mesh = DeviceMesh.from_group(self.group, ctx.device.type, mesh_dim_names=("tp",))
         if replica.depth == 1:
             local, stages = model, [model]
         else:
@@ -55,12 +69,14 @@ class ReplicasEngine(Engine):
             local, stages = PipelineModel(split), [stage for _, stage in split]
             announce_stages(ctx.hooks, split, self.replica.ranks, replica.depth, plan.pipeline.schedule)
         for stage in stages:  # no grid, no wrapper: precision and recompute only
-            parallelize(stage, plan, None, ctx.policy, ctx.hooks, ctx.device, model=model)
+            parallelize(stage, plan, None, ctx.policy, ctx.hooks, ctx.device, model=model, tp_mesh=tp_mesh)
         if replica.depth > 1:
             assert isinstance(local, PipelineModel) and self.group is not None
             spec = dataclasses.replace(plan.pipeline, stages=replica.stages)
             self.runner = PipelineRunner(local, spec, replica.depth, self.group, ctx.device, plan.compile != "none")
         self.layer_sync = LayerSync(plan, names, local, layout, ctx.hooks.before_all_reduce)
+        if any(r.tp > 1 for r in plan.replicas):  # shards here, whole tensors in a replica of another tp
+            setattr(local, STORE_WHOLE, True)
         return local
 
     def forward_backward(self, inputs: Any, target: torch.Tensor, model: nn.Module, loss_fn: LossFn) -> torch.Tensor:
@@ -83,6 +99,16 @@ class ReplicasEngine(Engine):
 
     def norm_groups(self) -> tuple[tuple[Any, ...], Collection[int]]:
         return (dist.group.WORLD,), self.layer_sync.uncounted  # every gradient counted by its lowest holder
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+        # Each piece of a gradient is counted by its lowest holder (a tp replica's shards among them): the
+        # pieces' squares add up over every rank at once, not first over a tp group.
+        params = list(model.parameters())
+        if self.ctx.scaler is not None and self.ctx.scaler.unscale_(params):
+            return torch.tensor(float("inf"))
+        return clip_grads_(
+            params, max_norm, norm_type, across=(dist.group.WORLD,), uncounted=self.layer_sync.uncounted, pieces=True
+        )
 
     def reduce_loss(self, value: torch.Tensor) -> torch.Tensor:
         # each stage of a replica has the replica's loss: count each replica once
