@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -71,15 +72,9 @@ def test_launch_instructions_for_many_nodes_go_to_a_file(tmp_path: Path, capsys)
     assert len(summary) == 1 and "one command per machine in" in summary[0], summary
     assert not any(f"n{i} " in summary[0] for i in (1, 2, 3, 4)), summary  # a summary, not the list
     # what a scheduler takes: the machines in --node-rank order, and a script each machine runs as it is
-    import subprocess
-
     hosts = (tmp_path / "plan.hosts").read_text().split()
     assert hosts == [line.split(":")[0] for line in lines] and sorted(hosts) == [f"n{i}" for i in range(6)]
-    stub = tmp_path / "bin" / "tessera"  # stands in for tessera: prints what it was given
-    stub.parent.mkdir()
-    stub.write_text('#!/usr/bin/env bash\necho "tessera $*"\n')
-    stub.chmod(0o755)
-    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{_stub(tmp_path)}:{os.environ['PATH']}"}
     script = str(tmp_path / "plan.launch.sh")
     for line in lines:
         machine, command = line.split(": ", 1)
@@ -87,6 +82,16 @@ def test_launch_instructions_for_many_nodes_go_to_a_file(tmp_path: Path, capsys)
         assert ran.returncode == 0 and ran.stdout.strip() == command, (ran.stdout, ran.stderr, command)
     ran = subprocess.run(["bash", script, "elsewhere"], capture_output=True, text=True, env=env, timeout=30)
     assert ran.returncode == 2 and "elsewhere is not one of the plan's machines (plan.hosts)" in ran.stderr
+
+
+def _stub(tmp_path: Path) -> Path:
+    """A folder holding a `tessera` that prints what it was given (stands in for tessera in launch scripts)."""
+    stub = tmp_path / "bin" / "tessera"
+    if not stub.exists():
+        stub.parent.mkdir()
+        stub.write_text('#!/usr/bin/env bash\necho "tessera $*"\n')
+        stub.chmod(0o755)
+    return stub.parent
 
 
 def test_regions_made_differently_plan_a_job_per_group(tmp_path: Path, capsys) -> None:
@@ -102,10 +107,53 @@ links:
     code, out, err = _run(tmp_path, capsys, regions, "--global-batch", "32", "--top", "2")
     assert code == 0, err
     assert "each laid out its own way" in out and "group 0: 2 ranks" in out and "group 1: 2 ranks" in out, out
-    assert "tessera lighthouse --bind HOST:PORT" in out and "--set plan.file=" in out and "--group 1 " in out, out
     plan = Plan.load(tmp_path / "plan.yaml")
     assert plan.groups is not None and plan.groups.fault_tolerant and plan.groups.layouts is not None
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    # Complete commands (issue 35, item 0), parsed back: the Lighthouse on group 0's machine, then each
+    # group's job with its group, the Lighthouse's address, its ranks and its own rendezvous.
+    import shlex
+
+    from tessera.arguments import build_parser
+
+    commands = [line.strip().split(": ", 1) for line in out.splitlines() if line[:2] == "  " and ": tessera " in line]
+    assert commands[0] == ["a", "tessera lighthouse --bind a:29510"], commands
+    assert build_parser().parse_args(shlex.split(commands[0][1])[1:]).bind == "a:29510"
+    for g, (host, command) in enumerate(commands[1:]):
+        args = build_parser().parse_args(shlex.split(command)[1:])
+        assert (host, args.group, args.lighthouse, args.nproc) == ("ab"[g], g, "http://a:29510", 2), command
+        assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (1, 0, f"{host}:29400"), command
+        assert args.overrides == [f"plan.file={tmp_path / 'plan.yaml'}"]
+    assert len(commands) == 3, commands
+
+
+def test_fault_tolerant_groups_on_many_machines_get_a_script_and_host_file_per_group(tmp_path: Path, capsys) -> None:
+    """Issue 35, item 5: six machines in two regions, a job per region: per group a command file, a host file
+    and a script each machine runs as it is; the console a summary line per group."""
+    from tessera.cluster import Cluster
+    from tessera.plan import Groups
+    from tessera.planner.command import print_launch
+
+    nodes = [{"name": f"e{i}", "region": "east", "devices": [{"type": "A100-80GB", "count": 2}]} for i in range(4)]
+    nodes += [{"name": f"w{i}", "region": "west", "devices": [{"type": "A10", "count": 1}]} for i in range(2)]
+    groups = Groups(count=2, fault_tolerant=True, sizes=(8, 2), layouts=({}, {}), shares=(4, 1))
+    print_launch(Plan(groups=groups), Cluster.from_dict({"nodes": nodes}), str(tmp_path / "plan.yaml"), "run.yaml")
+    out = capsys.readouterr().out
+    assert "e0: tessera lighthouse --bind e0:29510" in out and len(out.splitlines()) == 5, out
+    for g, (machines, nproc) in enumerate(((["e0", "e1", "e2", "e3"], 2), (["w0", "w1"], 1))):
+        lines = (tmp_path / f"plan.group{g}.launch.txt").read_text().splitlines()
+        assert (tmp_path / f"plan.group{g}.hosts").read_text().split() == machines
+        for k, line in enumerate(lines):
+            host, command = line.split(": ", 1)
+            assert host == machines[k] and f"--group {g} --lighthouse http://e0:29510" in command, line
+            assert f"--nproc {nproc} --nnodes {len(machines)} --node-rank {k} --rdzv-endpoint {machines[0]}:29400" in (
+                command
+            ), line
+            ran = subprocess.run(["bash", str(tmp_path / f"plan.group{g}.launch.sh"), host], capture_output=True,
+                                 text=True, env={**os.environ, "PATH": f"{_stub(tmp_path)}:{os.environ['PATH']}"},
+                                 timeout=30)  # fmt: skip
+            assert ran.returncode == 0 and ran.stdout.strip() == command, (ran.stdout, ran.stderr)
+        assert f"group {g}: {len(machines)} machines" in out, out
 
 
 def test_launch_lines_are_commands_that_launch_each_machine_s_ranks_of_the_plan(tmp_path: Path, capsys) -> None:

@@ -21,7 +21,7 @@ from tessera.planner.layout import ranks_of
 from tessera.planner.live.inputs import measured_cluster, measured_costs
 from tessera.planner.live.quiet import BUSY_CORES, busy_warning
 from tessera.planner.live.records import LiveProfile
-from tessera.planner.outer import regions_of
+from tessera.planner.outer import region_cluster, regions_of
 from tessera.planner.precision import choose_precision
 
 
@@ -73,6 +73,8 @@ def plan(args: argparse.Namespace) -> int:
         own = p.groups is not None and p.groups.layouts is not None  # each group its own layout: lines below
         dp, pp = (len(p.replicas), "mix") if p.replicas else ("-", "-") if own else (p.dp, p.pp)
         tp, zero, mb, rc = ("-",) * 4 if own else (p.tp, p.zero, p.pipeline.microbatches, p.recompute)
+        if p.replicas and any(r.tp > 1 for r in p.replicas):
+            tp = "mix"
         print(
             f"{i:>2} {e.step_s:>9.4g} {e.tokens_per_s:>11,.0f} {dp:>3} {tp:>3} {pp:>3} {zero:>4} "
             f"{mb:>3} {rc:>9} {fullest:>5.0%}  {c.placement}; {e.bottleneck}"
@@ -87,7 +89,7 @@ def plan(args: argparse.Namespace) -> int:
                     f"{q.dp_shares or 'even'}"
                 )  # fmt: skip
         if p.replicas:
-            print(f"{'':>3} replicas (share: stages) " + "; ".join(f"{r.share}: {list(r.stages)}" for r in p.replicas))
+            print(f"{'':>3} replicas (share: stages) " + "; ".join(_replica_line(r) for r in p.replicas))
         elif not own and (p.dp_shares or p.pipeline.stages):
             print(
                 f"{'':>3} shares {summary(p.dp_shares) if p.dp_shares else 'even'}; stages {p.pipeline.stages or 'one'}"
@@ -115,6 +117,11 @@ def plan(args: argparse.Namespace) -> int:
 SHOWN_WHOLE = 8  # longer tuples of shares are summarised in the table (the plan file has them whole)
 
 
+def _replica_line(replica) -> str:
+    """One replica of a Plan.replicas plan: its share and stages, and its tp when it has one."""
+    return f"{replica.share}: {list(replica.stages)}" + (f" tp{replica.tp}" if replica.tp > 1 else "")
+
+
 def summary(values: tuple[int, ...]) -> str:
     """``values`` as they are when short; else how many, their range and the commonest, e.g.
     ``512 ranks, 3..5 samples: 256x 4, 200x 3, 56x 5``."""
@@ -129,31 +136,42 @@ CONSOLE_LAUNCH_NODES = 4  # more nodes than this: one line per node in a file, a
 
 
 RENDEZVOUS_PORT = 29400  # torchrun's default
+LIGHTHOUSE_PORT = 29510  # tessera lighthouse's default
 
 
 def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
     """How to launch plan 0: one complete ``tessera train`` command per machine (``config`` with ``--set
     plan.file=out``), each with the ``--node-rank`` that gives its ranks that machine's plan ranks
     (:mod:`tessera.launch.node_rank`), all meeting at the first machine's rendezvous. Up to a few machines on
-    the console; more in ``<out>.launch.txt``, one command per line."""
+    the console; more in ``<out>.launch.txt``, one command per line, with a script and a host file a scheduler
+    takes. Fault-tolerant groups: a Lighthouse, and each group its own job (its own rendezvous, files per group)."""
     if len(cluster.nodes) == 1:
         return
     train = f"tessera train {config} --set plan.file={out}"
     if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
-        lines = [
-            f"group {g} (region {nodes[0].region}: {', '.join(n.name for n in nodes[:3])}"
-            f"{', ...' if len(nodes) > 3 else ''}; {len(nodes)} node(s)): {train} --group {g} "
-            f"--lighthouse http://HOST:PORT --nnodes {len(nodes)} --node-rank 0..{len(nodes) - 1}"
-            for g, nodes in enumerate(regions_of(cluster))
-        ]
-        print(
-            "launch plan 0 as one job per group: start `tessera lighthouse --bind HOST:PORT` on one machine, then\n  "
-            + "\n  ".join(lines)
-        )
+        _print_group_launch(plan, cluster, out, train)
         return
+    order, ranks = _machines(plan, cluster)
+    commands = _commands(train, order, ranks)
+    lines = [f"{host}: {command}" for host, command in zip(order, commands)]
+    where = f"(machine names stand for their addresses; the rendezvous is on {order[0]})"
+    if len(order) <= CONSOLE_LAUNCH_NODES:
+        print(f"launch plan 0, one command per machine {where}:\n  " + "\n  ".join(lines))
+        return
+    path, script, hosts = _launch_files(out, order, lines, commands)
+    print(
+        f"launch plan 0 on {len(order)} machines ({ranks_of(plan, cluster)} ranks): one command per machine in "
+        f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}; or run "
+        f"`bash {script}` on every machine (e.g. `srun --nodes {len(order)} --ntasks-per-node 1 bash {script}`), "
+        f"machines in {hosts}"
+    )
+
+
+def _machines(plan, cluster) -> tuple[list[str], list[int]]:
+    """The machines in the order ``plan``'s ranks reach them, and how many consecutive ranks each runs."""
     devices = cluster.devices()
-    order: list[str] = []  # machines, in the order plan 0's ranks reach them
-    ranks: list[int] = []  # how many consecutive ranks each runs
+    order: list[str] = []
+    ranks: list[int] = []
     for rank in range(ranks_of(plan, cluster)):
         host = cluster.node(devices[plan.device_of(rank)][0]).host
         if order and order[-1] == host:
@@ -161,32 +179,64 @@ def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
         else:
             order.append(host)
             ranks.append(1)
+    return order, ranks
+
+
+def _commands(train: str, order: list[str], ranks: list[int]) -> list[str]:
+    """One command per machine of a job: its ranks, its --node-rank, the job's rendezvous on its first."""
     endpoint = f"{order[0]}:{RENDEZVOUS_PORT}"
-    commands = [
+    return [
         f"{train} --nproc {n} --nnodes {len(order)} --node-rank {k} --rdzv-endpoint {endpoint}"
         for k, n in enumerate(ranks)
     ]
-    lines = [f"{host}: {command}" for host, command in zip(order, commands)]
-    where = f"(machine names stand for their addresses; the rendezvous is on {order[0]})"
-    if len(order) <= CONSOLE_LAUNCH_NODES:
-        print(f"launch plan 0, one command per machine {where}:\n  " + "\n  ".join(lines))
-        return
-    path = Path(out).with_suffix(".launch.txt")
+
+
+def _print_group_launch(plan, cluster, out: str, train: str) -> None:
+    """A Lighthouse on group 0's first machine, then each group's job on its region's machines (with the
+    group's own plan and rendezvous); many machines: per group a command file, a script and a host file."""
+    assert plan.groups is not None
+    jobs = [
+        _machines(plan.group_plan(g), region_cluster(cluster, nodes)) for g, nodes in enumerate(regions_of(cluster))
+    ]
+    home = jobs[0][0][0]
+    url = f"http://{home}:{LIGHTHOUSE_PORT}"
+    lighthouse = f"{home}: tessera lighthouse --bind {home}:{LIGHTHOUSE_PORT}"
+    machines = sum(len(order) for order, _ in jobs)
+    head = (
+        f"launch plan 0 as one job per group (machine names stand for their addresses): first the Lighthouse every "
+        f"group dials,\n  {lighthouse}\nthen each group's machines"
+    )
+    per_group = []
+    for g, (order, ranks) in enumerate(jobs):
+        commands = _commands(f"{train} --group {g} --lighthouse {url}", order, ranks)
+        lines = [f"{host}: {command}" for host, command in zip(order, commands)]
+        if machines <= CONSOLE_LAUNCH_NODES:
+            per_group.append(f"group {g} (its rendezvous on {order[0]}):\n  " + "\n  ".join(lines))
+        else:
+            path, script, hosts = _launch_files(out, order, lines, commands, f".group{g}")
+            per_group.append(
+                f"group {g}: {len(order)} machines ({sum(ranks)} ranks, rendezvous on {order[0]}): one command per "
+                f"machine in {path}, or `bash {script}` on each of the machines in {hosts}"
+            )
+    print(head + ":\n" + "\n".join(per_group))
+
+
+def _launch_files(
+    out: str, machines: list[str], lines: list[str], commands: list[str], part: str = ""
+) -> tuple[Path, Path, Path]:
+    """``<out><part>.launch.txt`` (one ``machine: command`` line each), its script and its host file."""
+    path = Path(out).with_suffix(f"{part}.launch.txt")
     check_output_file(str(path), "the launch file", force=True)
     path.write_text("\n".join(lines) + "\n")
-    script = _launch_script(out, order, commands)
-    print(
-        f"launch plan 0 on {len(order)} machines ({ranks_of(plan, cluster)} ranks): one command per machine in "
-        f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}; or run "
-        f"`bash {script}` on every machine (e.g. `srun --nodes {len(order)} --ntasks-per-node 1 bash {script}`), "
-        f"machines in {Path(out).with_suffix('.hosts')}"
-    )
+    script, hosts = _launch_script(out, machines, commands, part)
+    return path, script, hosts
 
 
-def _launch_script(out: str, machines: list[str], commands: list[str]) -> Path:
-    """``<out>.launch.sh``, which runs the command of the machine it runs on (its short hostname, or the name
-    given as its argument), and ``<out>.hosts``, the machines in --node-rank order: what a scheduler takes."""
-    hosts, script = Path(out).with_suffix(".hosts"), Path(out).with_suffix(".launch.sh")
+def _launch_script(out: str, machines: list[str], commands: list[str], part: str = "") -> tuple[Path, Path]:
+    """``<out><part>.launch.sh``, which runs the command of the machine it runs on (its short hostname, or the
+    name given as its argument), and ``<out><part>.hosts``, the machines in --node-rank order: what a scheduler
+    takes."""
+    hosts, script = Path(out).with_suffix(f"{part}.hosts"), Path(out).with_suffix(f"{part}.launch.sh")
     for path in (hosts, script):
         check_output_file(str(path), "the launch file", force=True)
     hosts.write_text("\n".join(machines) + "\n")
@@ -197,4 +247,4 @@ def _launch_script(out: str, machines: list[str], commands: list[str]) -> Path:
         f"{arms}\n"
         f'  *) echo "tessera: $machine is not one of the plan\'s machines ({hosts.name})" >&2; exit 2 ;;\nesac\n'
     )
-    return script
+    return script, hosts
