@@ -101,30 +101,47 @@ def test_regions_made_differently_plan_a_job_per_group(tmp_path: Path, capsys) -
 nodes:
   - {name: a, region: east, devices: [{type: A100-80GB, count: 2}]}
   - {name: b, region: west, devices: [{type: A10, count: 2}]}
+  - {name: c, region: west, devices: [{type: A10, count: 1}]}
 links:
   inter_region: {bandwidth_gbs: 0.05, latency_us: 50000}
 """
     code, out, err = _run(tmp_path, capsys, regions, "--global-batch", "32", "--top", "2")
     assert code == 0, err
-    assert "each laid out its own way" in out and "group 0: 2 ranks" in out and "group 1: 2 ranks" in out, out
+    assert "each laid out its own way" in out and "group 0: 2 ranks" in out and "group 1: 3 ranks" in out, out
     plan = Plan.load(tmp_path / "plan.yaml")
     assert plan.groups is not None and plan.groups.fault_tolerant and plan.groups.layouts is not None
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
-    # Complete commands (issue 35, item 0), parsed back: the Lighthouse on group 0's machine, then each
-    # group's job with its group, the Lighthouse's address, its ranks and its own rendezvous.
+    # Complete commands (issue 35, item 0), parsed back and checked as the launcher checks them: the Lighthouse
+    # on group 0's machine, then each group's job with its group, the Lighthouse's address, its own rendezvous,
+    # and each machine its block of the group's ranks (group 1: machine b's two, then c's one).
     import shlex
 
     from tessera.arguments import build_parser
+    from tessera.launch.node_rank import FIRST_RANK_ENV, node_blocks
+    from tessera.launch.preflight import check_training
 
     commands = [line.strip().split(": ", 1) for line in out.splitlines() if line[:2] == "  " and ": tessera " in line]
     assert commands[0] == ["a", "tessera lighthouse --bind a:29510"], commands
     assert build_parser().parse_args(shlex.split(commands[0][1])[1:]).bind == "a:29510"
-    for g, (host, command) in enumerate(commands[1:]):
+    expected = {}  # each machine's (group, ranks, machines in its group, --node-rank, rendezvous, first rank)
+    for g in range(2):
+        blocks = node_blocks(plan.group_plan(g))
+        for k, (machine, ranks) in enumerate(blocks):
+            expected[machine] = (g, ranks, len(blocks), k, blocks[0][0], sum(n for _, n in blocks[:k]))
+    assert sorted(expected) == ["a", "b", "c"] and expected["a"][:3] == (0, 2, 1), expected
+    for host, command in commands[1:]:
         args = build_parser().parse_args(shlex.split(command)[1:])
-        assert (host, args.group, args.lighthouse, args.nproc) == ("ab"[g], g, "http://a:29510", 2), command
-        assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (1, 0, f"{host}:29400"), command
-        assert args.overrides == [f"plan.file={tmp_path / 'plan.yaml'}"]
-    assert len(commands) == 3, commands
+        group, nproc, nnodes, node_rank, rendezvous, first = expected[host]
+        assert (args.group, args.lighthouse, args.nproc) == (group, "http://a:29510", nproc), command
+        assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (nnodes, node_rank, f"{rendezvous}:29400"), command
+        assert args.overrides == [f"plan.file={tmp_path / 'plan.yaml'}", "train.global_batch_size=32"]  # planned
+        checked = check_training(args.config, args.overrides, args.nproc, args.nnodes, False, args.group,
+                                 args.node_rank)  # fmt: skip
+        assert checked.env[FIRST_RANK_ENV] == str(first), (host, checked.env)
+        mine = plan.group_plan(group).rank_devices[first : first + nproc]
+        assert {label.split(":")[0] for label in mine} == {host}, (host, mine)
+        checked.close()
+    assert sorted(host for host, _ in commands[1:]) == ["a", "b", "c"], commands
 
 
 def test_fault_tolerant_groups_on_many_machines_get_a_script_and_host_file_per_group(tmp_path: Path, capsys) -> None:
@@ -179,7 +196,7 @@ def test_launch_lines_are_commands_that_launch_each_machine_s_ranks_of_the_plan(
         assert argv[0] == "tessera"
         args = build_parser().parse_args(argv[1:])
         assert (args.nnodes, args.node_rank, args.rdzv_endpoint) == (2, k, "a:29400")
-        assert args.overrides == [f"plan.file={tmp_path / 'plan.yaml'}"]
+        assert args.overrides == [f"plan.file={tmp_path / 'plan.yaml'}"]  # planned for the config's batch
         checked = check_training(args.config, args.overrides, args.nproc, args.nnodes, False, None, args.node_rank)
         first = int(checked.env[FIRST_RANK_ENV])
         assert checked.env[NODE_RANK_ENV] == str(k)

@@ -160,8 +160,14 @@ def check_training(
             raise ConfigError("--node-rank places this machine in a planned launch: set plan.file to a `tessera plan` "
                               "output, or leave --node-rank out.")  # fmt: skip
         plan = plan_from_config(cfg.plan)
+        if group is not None and plan.groups is not None:  # the group's own machines and ranks
+            plan = plan.group_plan(group)
         first = node_rank_of.first_rank(plan, cfg.plan.file, node_rank, nproc, nnodes)
-        world = planned_world_size(cfg.plan) or len(plan.rank_devices or ())
+        world = (
+            len(plan.rank_devices or ())
+            if group is not None
+            else planned_world_size(cfg.plan) or len(plan.rank_devices or ())
+        )
         handed = {node_rank_of.FIRST_RANK_ENV: str(first), node_rank_of.NODE_RANK_ENV: str(node_rank)}
     if group is None and (recorded := planned_world_size(cfg.plan)) is not None and recorded != world:
         raise ConfigError(

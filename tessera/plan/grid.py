@@ -158,6 +158,9 @@ def group_plan(plan: Plan, group: int) -> Plan:
     the groups, with what ``groups.layouts`` sets for that group (a bad value is named by its group)."""
     assert plan.groups is not None
     fields = plan.groups.layout_fields(group)
+    if plan.rank_devices is not None and plan.groups.sizes is not None:  # the group's own block of the ranks
+        first = sum(plan.groups.sizes[:group])
+        fields["rank_devices"] = plan.rank_devices[first : first + plan.groups.sizes[group]]
     try:
         if "pipeline" in fields:
             fields["pipeline"] = dataclasses.replace(plan.pipeline, **fields["pipeline"])

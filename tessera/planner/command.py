@@ -107,7 +107,8 @@ def plan(args: argparse.Namespace) -> int:
     best = found[0]
     for line in ([precision_note] if precision_note else []) + list(best.notes):
         print(f"note: {line}")
-    print_launch(best.plan, cluster, args.out, args.model)
+    batch = args.global_batch if args.global_batch != cfg.train.global_batch_size else None
+    print_launch(best.plan, cluster, args.out, args.model, batch)
     best.plan.save(args.out, world_size=cluster.world_size)
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
@@ -139,15 +140,17 @@ RENDEZVOUS_PORT = 29400  # torchrun's default
 LIGHTHOUSE_PORT = 29510  # tessera lighthouse's default
 
 
-def print_launch(plan, cluster, out: str, config: str = "CONFIG") -> None:
+def print_launch(plan, cluster, out: str, config: str = "CONFIG", global_batch: int | None = None) -> None:
     """How to launch plan 0: one complete ``tessera train`` command per machine (``config`` with ``--set
-    plan.file=out``), each with the ``--node-rank`` that gives its ranks that machine's plan ranks
+    plan.file=out``, and the batch it was planned for when that is not the config's: ``global_batch``), each with the ``--node-rank`` that gives its ranks that machine's plan ranks
     (:mod:`tessera.launch.node_rank`), all meeting at the first machine's rendezvous. Up to a few machines on
     the console; more in ``<out>.launch.txt``, one command per line, with a script and a host file a scheduler
     takes. Fault-tolerant groups: a Lighthouse, and each group its own job (its own rendezvous, files per group)."""
     if len(cluster.nodes) == 1:
         return
     train = f"tessera train {config} --set plan.file={out}"
+    if global_batch is not None:
+        train += f" --set train.global_batch_size={global_batch}"
     if plan.groups is not None and plan.groups.fault_tolerant:  # a job per group, meeting through a Lighthouse
         _print_group_launch(plan, cluster, out, train)
         return

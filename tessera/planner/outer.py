@@ -37,6 +37,7 @@ from tessera.errors import PlanError
 from tessera.plan import Plan
 from tessera.plan.groups import Groups
 from tessera.planner.costs import ModelCosts
+from tessera.planner.layout import ranks_of
 from tessera.planner.search import Candidate, search
 
 OUTER_BUDGET = 0.1  # the share of the inner steps' time a sync may cost
@@ -319,10 +320,12 @@ def unlike_region_candidates(cluster: Cluster, costs: ModelCosts, global_batch: 
         layouts.append({k: v for k, v in layout.items() if v is not None})
     groups = Groups(
         count=count, sync=best.sync, inner_steps=best.inner_steps, fragments=best.fragments, delay=best.delay,
-        fault_tolerant=True, sizes=tuple(sub.world_size for sub in subs), shares=tuple(batches),
-        layouts=tuple(layouts),
+        fault_tolerant=True, sizes=tuple(ranks_of(c.plan, sub) for c, sub in zip(plans, subs)),
+        shares=tuple(batches), layouts=tuple(layouts),
     )  # fmt: skip
-    plan = Plan(precision=plans[0].plan.precision, groups=groups)
+    # every rank's device, group after group: each group's machines launch their block of its ranks (--node-rank)
+    devices = [d for c in plans for d in c.plan.rank_devices or ()]
+    plan = Plan(precision=plans[0].plan.precision, groups=groups, rank_devices=tuple(devices) or None)
     step = inner_s + best.exposed_s
     slowest = max(plans, key=lambda c: c.estimate.step_s)
     estimate = replace(
