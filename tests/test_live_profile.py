@@ -388,3 +388,17 @@ def test_tessera_plan_repeats_the_busy_warning_of_a_profile(live: LiveProfile, t
         assert main(argv) == 0
         said.append("other processes used 1.50 CPU cores" in capsys.readouterr().out)
     assert said == [False, True]
+    # The profile's own spread (each rank timed the same pass at its start and end): saved, read back, and
+    # told with the plans it cannot separate from plan 0.
+    from dataclasses import replace
+
+    drifted = [replace(r, recheck_s=(1.0, 1.0 + d)) for r, d in zip(live.ranks, (0.01, -0.4, 0.03))]
+    saved = replace(live, ranks=drifted).save(tmp_path / "live.json")
+    assert LiveProfile.load(saved).spread == pytest.approx(0.4) and live.spread == 0.0
+    assert main([*argv[:-6], "--profile", str(saved), *argv[-4:], "--top", "10"]) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if "the profile's own spread is 40.0%" in line)
+    rows = [line for line in out.splitlines() if line[:3].strip().isdigit() and "best plans" not in line]
+    steps = [float(row.split()[1]) for row in rows]
+    tied = [i for i, step in enumerate(steps) if step <= steps[0] * 1.4]
+    assert len(tied) > 1 and f"plans {', '.join(map(str, tied))} are predicted within it" in note, (note, steps)

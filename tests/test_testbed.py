@@ -188,6 +188,7 @@ def test_a_job_trains_and_a_profile_measures_on_the_testbed_each_rank_in_its_sea
     live = LiveProfile.load(tmp_path / "live.json")
     assert [(r.rank, r.device, r.node) for r in live.ranks] == [(0, 0, "a"), (1, 1, "b")]
     assert all(r.profile.layers["block"].forward_s and r.optimizer_gbs > 0 for r in live.ranks)
+    assert all(min(r.recheck_s) > 0 for r in live.ranks), live.ranks  # the same pass at its start and end
     (link,) = live.links
     assert link.nodes == ("a", "b") and link.latency_us > 0
     # the token bucket's rate bounds what any transfer achieves (a little over for the bucket's depth)

@@ -51,10 +51,12 @@ def plan(args: argparse.Namespace) -> int:
     requested = args.precision or plan_from_config(cfg.plan).precision
     precision, precision_note = choose_precision(cluster, requested, args.pin_precision)
     costs = ModelCosts.from_model(model, cfg.data.seq_len, precision)
+    spread = 0.0
     if args.profile:  # plan from what `tessera cluster profile` measured, not from declared figures
         live = LiveProfile.load(args.profile)
         if live.other_cpu_cores > BUSY_CORES:
             print(f"warning: {args.profile}: {busy_warning(live.other_cpu_cores)}")
+        spread = live.spread
         cluster, costs = measured_cluster(cluster, live), measured_costs(live, costs)
     found = plan_for(
         cluster, model, args.global_batch, precision=precision, top=args.top, costs=costs, pin_precision=True
@@ -105,6 +107,8 @@ def plan(args: argparse.Namespace) -> int:
                 + ("" if g.sync == "every_step" else f" {every}")
             )
     best = found[0]
+    if spread:
+        print(f"note: {_ties(found, spread)}")
     for line in ([precision_note] if precision_note else []) + list(best.notes):
         print(f"note: {line}")
     batch = args.global_batch if args.global_batch != cfg.train.global_batch_size else None
@@ -113,6 +117,18 @@ def plan(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} (plan 0; mem = fullest device's share of its usable memory)")
     print(f"wrote {draw(best, cluster, costs, args.png)}")
     return 0
+
+
+def _ties(found: list, spread: float) -> str:
+    """What the profile's own spread says about the table: which plans it cannot tell from plan 0."""
+    tied = [i for i, c in enumerate(found) if c.estimate.step_s <= found[0].estimate.step_s * (1 + spread)]
+    told = (
+        f"plans {', '.join(map(str, tied))} are predicted within it of plan 0: a profile taken again may rank them "
+        "in another order, and any of them is as good a pick as this profile can tell"
+        if len(tied) > 1
+        else "no other plan is predicted within it of plan 0"
+    )
+    return f"the profile's own spread is {spread:.1%} (the same pass timed at its start and end); {told}."
 
 
 SHOWN_WHOLE = 8  # longer tuples of shares are summarised in the table (the plan file has them whole)
@@ -142,10 +158,11 @@ LIGHTHOUSE_PORT = 29510  # tessera lighthouse's default
 
 def print_launch(plan, cluster, out: str, config: str = "CONFIG", global_batch: int | None = None) -> None:
     """How to launch plan 0: one complete ``tessera train`` command per machine (``config`` with ``--set
-    plan.file=out``, and the batch it was planned for when that is not the config's: ``global_batch``), each with the ``--node-rank`` that gives its ranks that machine's plan ranks
-    (:mod:`tessera.launch.node_rank`), all meeting at the first machine's rendezvous. Up to a few machines on
-    the console; more in ``<out>.launch.txt``, one command per line, with a script and a host file a scheduler
-    takes. Fault-tolerant groups: a Lighthouse, and each group its own job (its own rendezvous, files per group)."""
+    plan.file=out``, and the batch it was planned for when that is not the config's: ``global_batch``), each
+    with the ``--node-rank`` that gives its ranks that machine's plan ranks (:mod:`tessera.launch.node_rank`),
+    all meeting at the first machine's rendezvous. Up to a few machines on the console; more in
+    ``<out>.launch.txt``, one command per line, with a script and a host file a scheduler takes.
+    Fault-tolerant groups: a Lighthouse, and each group its own job (its own rendezvous, files per group)."""
     if len(cluster.nodes) == 1:
         return
     train = f"tessera train {config} --set plan.file={out}"

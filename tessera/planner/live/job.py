@@ -40,6 +40,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
         measure_rank,
         measure_tensor_parallel,
         tensor_parallel_pair,
+        whole_pass_seconds,
     )
     from tessera.planner.live.records import LiveProfile
     from tessera.planner.profile import model_key
@@ -57,6 +58,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     precision = plan_from_config(cfg.plan).precision
     timing: dict[str, Any] = QUICK if quick else {}
     sizes = tuple(sorted({min(b, cfg.train.global_batch_size) for b in SIZES}))
+    first_pass = whole_pass_seconds(model, cfg.data.seq_len, device, **timing)
     mine = measure_rank(model, cluster, rank, cfg.data.seq_len, device, sizes, **timing)
     singletons = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
     mine.fsdp_unit_s = measure_fsdp_overhead(model, cfg.data.seq_len, device, singletons[rank], **timing)
@@ -82,6 +84,7 @@ def profile(config: str, cluster_file: str, out: str, quick: bool = False) -> No
     links = measure_links(cluster, list(range(world)), device)
     latency, bus = collective_latency_us(device), all_reduce_gbs(device)
     mine.comm_overlap = measure_comm_overlap(device) if world > 1 else 1.0
+    mine.recheck_s = (first_pass, whole_pass_seconds(model, cfg.data.seq_len, device, **timing))  # the spread
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (mine, tensor_parallel, fsdp_pair))
     if rank == 0:

@@ -104,6 +104,16 @@ def _step_seconds(model: nn.Module, tokens: torch.Tensor, repeats: int, window_s
     return seconds
 
 
+def whole_pass_seconds(
+    model: nn.Module, seq_len: int, device: torch.device, repeats: int = REPEATS, window_s: float = WINDOW_S
+) -> float:
+    """Median seconds of one forward and backward of the whole ``model`` at one sample: timed at a profile's
+    start and end, what the device's speed did meanwhile (``RankMeasurement.recheck_s``)."""
+    torch.manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
+    return _step_seconds(model, tokens, repeats, window_s)
+
+
 def _plain_and_sharded_seconds(
     model: nn.Module, seq_len: int, device: torch.device, group: dist.ProcessGroup, repeats: int, window_s: float
 ) -> tuple[float, float]:

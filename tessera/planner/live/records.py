@@ -28,6 +28,14 @@ class RankMeasurement:
     # forward or a backward), measured on a one-rank mesh (no communication):
     fsdp_unit_s: float = 0.0
     comm_overlap: float = 1.0  # share of a concurrent all-reduce's time its compute did not lose (measure_comm_overlap)
+    # One forward and backward of the whole model (seconds), timed at the profile's start and again at its end:
+    # how far the device's own speed moved while it was measured (LiveProfile.spread).
+    recheck_s: tuple[float, float] = (0.0, 0.0)
+
+    def drift(self) -> float:
+        """The relative change between this rank's two timings of the same pass (0 when not timed)."""
+        first, last = self.recheck_s
+        return abs(last / first - 1) if first > 0 and last > 0 else 0.0
 
     def block_s(self) -> float:
         """Forward plus backward of one block, summed over the profiled micro-batch sizes (one size's
@@ -107,6 +115,12 @@ class LiveProfile:
     # Other processes' CPU load (cores, averaged) on the launching machine while it measured (quiet.CpuWatch)
     other_cpu_cores: float = 0.0
 
+    @property
+    def spread(self) -> float:
+        """The profile's own run-to-run spread: the largest relative change of any rank's time for the same
+        pass between the profile's start and end. Plans whose predicted steps differ by less are a tie to it."""
+        return max((r.drift() for r in self.ranks), default=0.0)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -126,8 +140,12 @@ class LiveProfile:
         try:
             data = json.loads(Path(path).read_text())
             ranks = [
-                RankMeasurement(**{**r, "profile": Profile.from_json(json.dumps(r["profile"]))}) for r in data["ranks"]
-            ]
+                RankMeasurement(
+                    **{**r, "profile": Profile.from_json(json.dumps(r["profile"])),
+                       "recheck_s": tuple(r.get("recheck_s", (0.0, 0.0)))}
+                )
+                for r in data["ranks"]
+            ]  # fmt: skip
             links = [
                 LinkMeasurement(**{**k, "nodes": tuple(k["nodes"]), "ranks": tuple(k["ranks"])}) for k in data["links"]
             ]
