@@ -133,9 +133,9 @@ class ProfiledTestbed:
 
 
 def profile_testbed(
-    prefix: str, link_mbit: float, cpus: float, steps: int, slow_pair_mbit: float = 0.0
+    prefix: str, link_mbit: float, cpus: float, steps: int, slow_pair_mbit: float = 0.0, model: dict = MODEL
 ) -> ProfiledTestbed:
-    """Write the testbed's cluster and model files, run `tessera cluster profile --testbed` on them and
+    """Write the testbed's cluster and ``model``'s files, run `tessera cluster profile --testbed` on them and
     read the measured cluster and costs the planner and the predictors use."""
 
     from tessera.planner.live.inputs import relative_speeds
@@ -146,7 +146,7 @@ def profile_testbed(
     cluster_file = work / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(spec))
     model_file = work / "model.yaml"
-    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, steps, "profile")))
+    model_file.write_text(yaml.safe_dump(config(work / "runs", {"preset": "ddp"}, steps, "profile", model=model)))
     start = time.monotonic()
     tessera("cluster", "profile", str(model_file), "--cluster", str(cluster_file), "--testbed", "--testbed-cpus",
             str(cpus), "--out", str(work / "live.json"))  # fmt: skip

@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from testbed_cluster import BATCH, cluster_spec, config, measured_inputs, profile_testbed, train_records  # noqa: E402
+from testbed_cluster import (  # noqa: E402
+    BATCH,
+    MODEL,
+    cluster_spec,
+    config,
+    measured_inputs,
+    profile_testbed,
+    train_records,
+)
 
 # name -> (plan section, ranks). Ranks take cluster devices in order (a:0, a:1, b:0, c:0) unless placed.
 LAYOUTS: dict[str, tuple[dict, int]] = {
@@ -59,10 +67,12 @@ LAYOUTS: dict[str, tuple[dict, int]] = {
 }
 
 
-def run(work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int) -> dict:
+def run(
+    work: Path, name: str, plan: dict, nproc: int, cluster_file: Path, cpus: float, steps: int, model: dict = MODEL
+) -> dict:
     """One `tessera train --testbed` run: median step time (steps 3 .. steps − 1) and peak bytes per rank."""
     slug = "".join(c if c.isalnum() else "_" for c in name)
-    records = train_records(work, slug, plan, nproc, cluster_file, cpus, steps, measure_memory_at=steps)
+    records = train_records(work, slug, plan, nproc, cluster_file, cpus, steps, model, measure_memory_at=steps)
     step = statistics.median(r["step_time_s"] for r in records if 3 <= r["step"] < steps)
     return {"step_s": step, "peak_bytes": records[-1]["peak_tensor_bytes_per_rank"]}
 
@@ -78,10 +88,15 @@ def predict(plan: Any, cluster: Any, costs: Any) -> dict:
     world = ranks_of(plan, cluster)
     resolved = plan.resolve(world)
     memory = [0.0] * world
-    for r, replica in enumerate(layout.replicas):
-        for s in range(layout.pp):
-            total = sum(device_memory(layout, costs, replica, s))
-            for t in range(layout.tp):
+    # a grid's replicas, or (Plan.replicas) each replica's own one-replica layout
+    parts = [(layout, r) for r in range(len(layout.replicas))] if hasattr(layout, "replicas") else [
+        (part, i) for i, part in enumerate(layout.parts)
+    ]  # fmt: skip
+    for part, r in parts:
+        spec = part.replicas[r] if part is layout else part.replicas[0]
+        for s in range(part.pp):
+            total = sum(device_memory(part, costs, spec, s))
+            for t in range(part.tp):
                 memory[resolved.rank_at(RankCoords(pp=s, dp=r, tp=t))] = total
     return {
         "cost_model_s": estimate(layout, costs).step_s,

@@ -1,0 +1,165 @@
+"""The cost model and the simulator scored out of sample: layouts, models and links never used to tune them.
+
+``benchmarks/prediction_sets.yaml`` lists what ever tuned the predictors (calibration) and the held-out
+beds scored here. Each bed is the testbed of ``benchmarks/testbed_cluster.py`` (nodes a: 2 × full,
+b: half, c: quarter at ``--cpus``) with its own model and link rates. For each bed:
+
+1. ``tessera cluster profile --testbed`` measures it; both predictors read that live profile only.
+2. Its layouts run through the real launcher, interleaved, ``--reps`` times; measured as in
+   ``testbed_predictions.py`` (rank 0's median step over steps 3 .. steps − 1; every rank's peak tensor
+   bytes at the last step).
+3. The predictors, as they were at the file's ``frozen_at`` commit (refused if their files changed since),
+   predict each layout; errors per layout, and the median and worst over all held-out layouts.
+
+On the stability bed the profile is taken ``--profiles`` times: the planner plans from each, and each pick
+is priced under every other profile, against that profile's own spread (:attr:`LiveProfile.spread`).
+
+    sudo python benchmarks/held_out_predictions.py [--reps 2] [--steps 8] [--profiles 3] \\
+        [--json docs/held_out_predictions.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from testbed_cluster import BATCH, profile_testbed  # noqa: E402
+from testbed_predictions import predict_rows, run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = Path(__file__).with_name("prediction_sets.yaml")
+
+
+def check_frozen(sets: dict) -> str:
+    """The frozen commit, after checking that no predictor file differs from it (here, uncommitted or not)."""
+    frozen = sets["frozen_at"]
+    changed = subprocess.run(
+        ["git", "diff", "--name-only", frozen, "--", *sets["predictors"]], cwd=ROOT, capture_output=True, text=True
+    )
+    if changed.returncode:
+        raise SystemExit(f"cannot compare with frozen_at {frozen}: {changed.stderr.strip()}")
+    if changed.stdout.strip():
+        raise SystemExit(
+            f"the predictors changed since frozen_at {frozen} ({changed.stdout.split()}): held-out cases score "
+            "the frozen predictors only. Move the cases that led to the change to calibration, freeze again, "
+            "and draw new held-out cases (benchmarks/prediction_sets.yaml)."
+        )
+    return frozen
+
+
+def stability(bed: dict, name: str, first: Any, profiles: int, cpus: float, steps: int) -> dict:
+    """``profiles`` live profiles of one bed (``first`` is one): each one's pick and spread, and each pick
+    priced under every profile against that profile's best."""
+    from tessera.planner import plan_for
+    from tessera.planner.costmodel import estimate
+    from tessera.planner.layout import layout_from_plan
+
+    beds = [first] + [
+        profile_testbed(f"held-out-{name}-again-", bed["link_mbit"], cpus, steps, bed["slow_link_mbit"], bed["model"])
+        for _ in range(profiles - 1)
+    ]
+    picks = []
+    for tb in beds:
+        best = plan_for(tb.cluster, tb.model, BATCH, precision="fp32", top=1, costs=tb.costs, pin_precision=True)[0]
+        picks.append(best)
+        print(f"profile spread {tb.live.spread:.1%}: pick {best.placement} at {best.estimate.step_s:.3f} s", flush=True)
+    cross = []  # cross[i][j]: pick i's predicted step under profile j, over profile j's own pick's
+    for pick in picks:
+        row = []
+        for tb, own in zip(beds, picks):
+            step = estimate(layout_from_plan(pick.plan, tb.cluster, tb.costs, BATCH), tb.costs).step_s
+            row.append(step / own.estimate.step_s - 1)
+        cross.append(row)
+    spreads = [tb.live.spread for tb in beds]
+    same = all(p.plan == picks[0].plan for p in picks)
+    within = all(cross[i][j] <= spreads[j] + 1e-12 for i in range(len(picks)) for j in range(len(picks)))
+    return {
+        "bed": name,
+        "spreads": spreads,
+        "picks": [{"placement": p.placement, "step_s": p.estimate.step_s, "plan": p.plan.to_dict()} for p in picks],
+        "cross_excess": cross,
+        "same_pick": same,
+        "within_spread": within,
+    }
+
+
+def pooled(beds: dict[str, dict]) -> dict:
+    """Median and worst absolute error of each predictor over every held-out layout, and memory."""
+    rows = [row for bed in beds.values() for row in bed["rows"].values()]
+    out = {}
+    for key in ("cost_model", "simulator"):
+        errors = [abs(r[f"{key}_error"]) for r in rows]
+        out[key] = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+    memory = [abs(e) for r in rows for e in r["memory_error"]]
+    out["memory"] = {
+        "median_abs_error": statistics.median(memory),
+        "worst_abs_error": max(memory),
+        "within_15_percent": sum(e <= 0.15 for e in memory) / len(memory),
+    }
+    out["layouts"] = len(rows)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cpus", type=float, default=1.65)
+    ap.add_argument("--profiles", type=int, default=3, help="live profiles of the stability bed (1: none again)")
+    ap.add_argument("--only", nargs="*", help="run only these beds")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    sets = yaml.safe_load(SETS.read_text())
+    frozen = check_frozen(sets)
+    held = sets["held_out"]
+    out: dict[str, Any] = {"frozen_at": frozen, "cpus": args.cpus, "steps": args.steps, "reps": args.reps, "beds": {}}
+    for name, bed in held["beds"].items():
+        if args.only and name not in args.only:
+            continue
+        tb = profile_testbed(
+            f"held-out-{name}-", bed["link_mbit"], args.cpus, args.steps, bed["slow_link_mbit"], bed["model"]
+        )
+        layouts = {k: (v["plan"], v["ranks"]) for k, v in bed["layouts"].items()}
+        measured: dict[str, list[dict]] = {k: [] for k in layouts}
+        for rep in range(args.reps):
+            for layout, (plan, nproc) in layouts.items():  # interleaved
+                result = run(tb.work, layout, plan, nproc, tb.cluster_file, args.cpus, args.steps, model=bed["model"])
+                measured[layout].append(result)
+                print(f"{name} rep {rep} {layout:34s} {result['step_s']:.3f} s/step", flush=True)
+        rows = {}
+        for layout, (plan, nproc) in layouts.items():
+            runs = measured[layout]
+            rows[layout] = {
+                "plan": plan,
+                "ranks": nproc,
+                "measured_step_s": statistics.median(m["step_s"] for m in runs),
+                "runs_s": [m["step_s"] for m in runs],
+                "measured_peak_bytes": [max(m["peak_bytes"][i] for m in runs) for i in range(nproc)],
+            }
+        summary = predict_rows(rows, tb.cluster, tb.costs)
+        out["beds"][name] = {
+            **{k: bed[k] for k in ("model", "link_mbit", "slow_link_mbit")},
+            "live_profile": json.loads(tb.live.to_json()),
+            "rows": rows,
+            "summary": summary,
+        }
+        if name == held.get("stability_bed") and args.profiles > 1:
+            out["stability"] = stability(bed, name, tb, args.profiles, args.cpus, args.steps)
+            print("stability", json.dumps({k: v for k, v in out["stability"].items() if k != "picks"}), flush=True)
+    out["summary"] = pooled(out["beds"])
+    print("held-out summary", json.dumps(out["summary"], indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
