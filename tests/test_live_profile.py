@@ -402,3 +402,13 @@ def test_tessera_plan_repeats_the_busy_warning_of_a_profile(live: LiveProfile, t
     steps = [float(row.split()[1]) for row in rows]
     tied = [i for i, step in enumerate(steps) if step <= steps[0] * 1.4]
     assert len(tied) > 1 and f"plans {', '.join(map(str, tied))} are predicted within it" in note, (note, steps)
+
+
+def test_whole_model_timings_take_a_hugging_face_model_s_output() -> None:
+    """The profile's whole-model timings (the spread's recheck, the FSDP and tp pairs) run Hugging Face models
+    too, whose forward returns an output object: `tessera cluster profile` failed on GPT-2 before."""
+    from tessera.planner.live.measure import _transient_bytes, whole_pass_seconds
+
+    model = build_model("gpt2:2")
+    assert whole_pass_seconds(model, 16, torch.device("cpu"), repeats=1, window_s=0.0) > 0
+    assert _transient_bytes(model, torch.zeros(1, 16, dtype=torch.long), torch.device("cpu")) > 0

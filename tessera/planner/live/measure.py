@@ -37,6 +37,7 @@ from tessera.planner.live.records import (
     TensorParallelMeasurement,
 )
 from tessera.planner.profile import profile_model
+from tessera.train.step import logits_of  # a Hugging Face model returns an output object, not logits
 
 # Micro-batch sizes every part, and tensor parallelism, are timed at (``tessera cluster profile`` keeps
 # those up to the global batch): plans use 1 to 32 samples on the testbed, and a line through 1, 2 and
@@ -97,7 +98,7 @@ def _step_seconds(model: nn.Module, tokens: torch.Tensor, repeats: int, window_s
     """Median seconds of one forward and backward of ``model`` on ``tokens``."""
 
     def step() -> None:
-        model(tokens).float().mean().backward()
+        logits_of(model(tokens)).float().mean().backward()
 
     seconds = median_seconds(step, repeats, window_s, agree=agree)
     model.zero_grad(set_to_none=True)
@@ -230,7 +231,7 @@ def _transient_bytes(model: nn.Module, tokens: torch.Tensor, device: torch.devic
 
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     with peak_tensor_bytes(device, 0) as peak:
-        model(tokens).float().mean().backward()
+        logits_of(model(tokens)).float().mean().backward()
     model.zero_grad(set_to_none=True)
     return peak[0] - before
 
