@@ -129,13 +129,25 @@ def main() -> None:
         )
         layouts = {k: (v["plan"], v["ranks"]) for k, v in bed["layouts"].items()}
         measured: dict[str, list[dict]] = {k: [] for k in layouts}
+        failed: dict[str, str] = {}  # a layout that does not run is reported, not scored
         for rep in range(args.reps):
             for layout, (plan, nproc) in layouts.items():  # interleaved
-                result = run(tb.work, layout, plan, nproc, tb.cluster_file, args.cpus, args.steps, model=bed["model"])
+                if layout in failed:
+                    continue
+                try:
+                    result = run(
+                        tb.work, layout, plan, nproc, tb.cluster_file, args.cpus, args.steps, model=bed["model"]
+                    )
+                except SystemExit as exc:
+                    failed[layout] = str(exc)[-2000:]
+                    print(f"{name} rep {rep} {layout:34s} FAILED: {failed[layout]}", flush=True)
+                    continue
                 measured[layout].append(result)
                 print(f"{name} rep {rep} {layout:34s} {result['step_s']:.3f} s/step", flush=True)
         rows = {}
         for layout, (plan, nproc) in layouts.items():
+            if layout in failed:
+                continue
             runs = measured[layout]
             rows[layout] = {
                 "plan": plan,
@@ -149,6 +161,7 @@ def main() -> None:
             **{k: bed[k] for k in ("model", "link_mbit", "slow_link_mbit")},
             "live_profile": json.loads(tb.live.to_json()),
             "rows": rows,
+            "failed": failed,
             "summary": summary,
         }
         if name == held.get("stability_bed") and args.profiles > 1:

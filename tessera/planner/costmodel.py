@@ -215,6 +215,12 @@ def device_memory(layout: Layout, costs: ModelCosts, replica: ReplicaSpec, stage
     activations += held * costs.edge_activation_bytes(first, end) * b
     if end == costs.n_layers:  # the loss: kept per micro-batch held, its gradients once
         activations += (held * costs.loss_saved_bytes + costs.loss_grad_bytes) * b
+    if layout.grads_freed:  # the replicas engine: plain gradients, averaged in flat buckets after the backward
+        buffers = min(4 * local, BUCKET_BYTES) if dp > 1 else 0.0
+        # The bucket's flat copy is made once the activations are freed; with one micro-batch a step the
+        # gradients too only grow as they are freed (zero_grad left none): the step's peak is the larger side.
+        after = buffers + (grads if m == 1 else 0.0)
+        return params + grads + optim, max(activations - after, 0.0), buffers
     if zero == 3:  # one block's parameters gathered and the next one prefetched; the root's kept gathered
         root = costs.stage_params(first, end) - blocks * costs.parts["block"].params  # from forward to backward
         buffers = 4 * (2 * costs.parts["block"].params + root) / layout.tp

@@ -74,6 +74,9 @@ class Layout:
     # Per stage, the node of each data-parallel rank in group order (known to the search too, which folds
     # alike replicas): where ZeRO-1's broadcasts from each owner go (see owner_broadcasts_s).
     dp_groups: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
+    # Gradients are plain ``.grad`` tensors that zero_grad frees between steps (the replicas engine), not a
+    # wrapper's buckets kept across steps (DDP): a step's first forward runs without them (device_memory).
+    grads_freed: bool = field(default=False, compare=False)
 
     @property
     def global_batch(self) -> int:
@@ -422,7 +425,7 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
         spec = ReplicaSpec(1, units, p2p, n // m)
         parts.append(
             Layout(replica.depth, r, replica.tp, replica.stages, m, plan.pipeline.schedule, 0, False, plan.recompute,
-                   (spec,), (link,) * replica.depth)
+                   (spec,), (link,) * replica.depth, grads_freed=True)
         )  # fmt: skip
         placed.append(tuple(members))
     return MixedLayout(tuple(parts), link, tuple(placed))

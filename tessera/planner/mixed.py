@@ -108,7 +108,7 @@ class _Kind:
         m, schedule, recompute, r, link = self.args
         d = len(stages)
         spec = ReplicaSpec(1, (self.pool.unit,) * d, (self.pool.link,) * (d - 1), b)
-        return Layout(d, r, self.tp, stages, m, schedule, 0, False, recompute, (spec,), (link,) * d)
+        return Layout(d, r, self.tp, stages, m, schedule, 0, False, recompute, (spec,), (link,) * d, grads_freed=True)
 
     def pipeline(self, stages, b: int) -> float:
         """Pipeline seconds with ``stages`` at micro-batch ``b`` (inf: a stage runs out of memory)."""
