@@ -15,7 +15,7 @@ On the stability bed the profile is taken ``--profiles`` times: the planner plan
 is priced under every other profile, against that profile's own spread (:attr:`LiveProfile.spread`).
 
     sudo python benchmarks/held_out_predictions.py [--reps 2] [--steps 8] [--profiles 3] \\
-        [--json docs/held_out_predictions.json]
+        [--json docs/held_out_predictions_2.json]
 """
 
 from __future__ import annotations
