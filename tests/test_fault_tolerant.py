@@ -69,8 +69,9 @@ def crashed_and_rejoined(tmp_path_factory: pytest.TempPathFactory) -> Path:
     server = start_lighthouse(bind, min_groups=1, join_timeout_ms=30_000, heartbeat_timeout_ms=1500)
     address = lighthouse_address(server, bind)
     try:
-        first = _group(0, address, out, die_at=-1, run="a")
-        crashed = _group(1, address, out, die_at=DIE_AT, run="a")
+        together = {"FT_START_TOGETHER": "g0_a,g1_a"}  # neither syncs alone before the other is up
+        first = _group(0, address, out, die_at=-1, run="a", **together)
+        crashed = _group(1, address, out, die_at=DIE_AT, run="a", **together)
         assert crashed.wait(timeout=120) == 17, _logs(out)
         time.sleep(1.0)  # the Lighthouse notices the silence; group 0 syncs alone meanwhile
         again = _group(1, address, out, die_at=-1, run="b")
