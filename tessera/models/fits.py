@@ -21,6 +21,7 @@ from torch import nn
 from tessera.errors import PlanError
 from tessera.models.hf_experts import HF_EXPERTS, expert_modules
 from tessera.models.policies import policy_for
+from tessera.parallel.replicas import check_replica_tp
 from tessera.parallel.sequence import check_ulysses_heads
 from tessera.plan import Plan
 
@@ -37,12 +38,8 @@ def check_plan_fits(model: nn.Module, plan: Plan, seq_len: int) -> None:
         if split_gather:
             policy.tensor_plan(model, sequence_parallel=True)  # refuses a family without a split/gather plan
             _check_sequence(seq_len, plan.tp, "Plan.sp (split/gather, over the tp ranks)")
-    for i, replica in enumerate(plan.replicas or ()):  # a replica's own tp, as the replicas engine checks it
-        if replica.tp > 1:
-            try:
-                policy_for(model, "tensor parallelism").check_tp(model, replica.tp)
-            except PlanError as exc:
-                raise PlanError(f"Plan.replicas[{i}].tp: {exc}") from None
+    if any(r.tp > 1 for r in plan.replicas or ()):  # a replica's own tp, as the replicas engine checks it
+        check_replica_tp(policy_for(model, "tensor parallelism"), model, plan)
     if plan.ulysses_size > 1:
         policy = policy_for(model, "Ulysses sequence parallelism")
         if policy.ulysses is None:

@@ -25,7 +25,7 @@ from tessera.distributed import local
 from tessera.errors import PlanError
 from tessera.parallel.data_parallel import BUCKET_BYTES  # the flat copy each all-reduce needs stays this small
 from tessera.parallel.pipeline import stage_of, sum_flat_
-from tessera.parallel.policy import PipelineLayout
+from tessera.parallel.policy import PipelineLayout, Policy
 from tessera.parallel.tensor import align_grad_placements
 from tessera.plan import Plan
 
@@ -116,6 +116,7 @@ class LayerSync:
         self.replicas = len(plan.replicas)
         self.before_reduce = before_reduce
         rank = dist.get_rank()
+        mine = plan.replicas[plan.coords(rank).dp]
         held = dict(local.named_parameters(remove_duplicate=False))
         self.params = list(dict.fromkeys(held.values()))
         split_dims = _split_dims(plan, held)
@@ -123,8 +124,8 @@ class LayerSync:
         self.uncounted: set[int] = set()
         for names in tied:
             per_replica = holding(plan, names, layout)
-            dim, pieces = _pieces(plan, names, split_dims, held)
             param = next((held[n] for n in names if n in held), None)
+            dim, pieces = _pieces(plan, names, split_dims, param)
             for k in range(pieces):
                 ranks: set[int] = set()
                 for replica, holders in zip(plan.replicas, per_replica):
@@ -135,11 +136,10 @@ class LayerSync:
                 if rank not in key:
                     continue
                 assert param is not None, f"rank {rank} should hold {names[0]}"
-                replica = plan.replicas[plan.coords(rank).dp]
-                if dim is not None and replica.tp > 1:  # this rank's shard holds pieces/tp of the pieces
-                    piece = _Piece(param, dim, k % (pieces // replica.tp), pieces // replica.tp, 1.0)
+                if dim is not None and mine.tp > 1:  # this rank's shard holds pieces/tp of the pieces
+                    piece = _Piece(param, dim, k % (pieces // mine.tp), pieces // mine.tp, 1.0)
                 else:  # whole here: each of a tp replica's copies counts 1/tp
-                    piece = _Piece(param, dim or 0, k, pieces, 1.0 / replica.tp)
+                    piece = _Piece(param, dim or 0, k, pieces, 1.0 / mine.tp)
                 by_holders[key].append(piece)
                 if rank != key[0]:
                     self.uncounted.add(id(param))
@@ -165,6 +165,16 @@ class LayerSync:
             if self.before_reduce is not None:
                 self.before_reduce(ranks, sum(g.numel() * g.element_size() for g in grads))
             sum_flat_(grads, group, divisor=self.replicas)
+
+
+def check_replica_tp(policy: Policy, model: nn.Module, plan: Plan) -> None:
+    """Refuse a replica's tp degree the model's sizes cannot be split by, naming the replica."""
+    for i, replica in enumerate(plan.replicas or ()):
+        if replica.tp > 1:
+            try:
+                policy.check_tp(model, replica.tp)
+            except PlanError as exc:
+                raise PlanError(f"Plan.replicas[{i}].tp: {exc}") from None
 
 
 def _split_dims(plan: Plan, held: dict[str, nn.Parameter]) -> dict[str, int]:
@@ -196,16 +206,16 @@ def _shard_dim(p: torch.Tensor) -> int | None:
 
 
 def _pieces(
-    plan: Plan, names: list[str], split_dims: dict[str, int], held: dict[str, nn.Parameter]
+    plan: Plan, names: list[str], split_dims: dict[str, int], param: nn.Parameter | None
 ) -> tuple[int | None, int]:
-    """(the dimension a parameter is split along by the tp replicas, None if none splits it; how many pieces
-    its gradient is averaged in: the least multiple of their tp degrees)."""
+    """(the dimension the parameter known by ``names`` is split along by the tp replicas, None if none splits
+    it; how many pieces its gradient is averaged in: the least multiple of their tp degrees). ``param``: this
+    rank's, if it holds it (its size is checked)."""
     assert plan.replicas is not None
     dim = next((split_dims[n] for n in names if n in split_dims), None)
     if dim is None:
         return None, 1
     pieces = math.lcm(*(r.tp for r in plan.replicas))
-    param = next((held[n] for n in names if n in held), None)
     if param is not None and param.shape[dim] % pieces:
         degrees = sorted({r.tp for r in plan.replicas})
         raise PlanError(

@@ -107,6 +107,9 @@ class Engine:
 
     #: ``Booster.backward`` may be used (False when gradients need the engine's own step)
     plain_backward = True
+    #: each counted gradient's local part is a piece no other counted part repeats, so the norm adds the parts
+    #: over :meth:`norm_groups` alone, not first over their shard groups (replicas that differ in tp)
+    norm_pieces = False
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -190,7 +193,9 @@ class Engine:
             return torch.tensor(float("inf"))
         across, uncounted = self.norm_groups()
         split = uneven_expert_groups(model)
-        return clip_grads_(params, max_norm, norm_type, across=across, uncounted=set(uncounted), split=split)
+        return clip_grads_(
+            params, max_norm, norm_type, across=across, uncounted=set(uncounted), split=split, pieces=self.norm_pieces
+        )
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s full, unsharded parameters and buffers on the CPU, keyed like the original model

@@ -15,9 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.checkpoint.storable import STORE_WHOLE
 from tessera.errors import PlanError
-from tessera.parallel.grad_norm import clip_grads_
 from tessera.parallel.pipeline import PipelineModel, PipelineRunner, split_model
-from tessera.parallel.replicas import LayerSync, replica_groups, replica_ranks
+from tessera.parallel.replicas import LayerSync, check_replica_tp, replica_groups, replica_ranks
 from tessera.runtime.engine import Context, Engine, LossFn
 from tessera.runtime.microbatches import accumulate, forward_only
 from tessera.runtime.parallelize import parallelize
@@ -26,6 +25,7 @@ from tessera.runtime.pipelined import announce_stages, run_schedule
 
 class ReplicasEngine(Engine):
     plain_backward = False  # each layer's gradient is averaged over its holders by the engine's step
+    norm_pieces = True  # each piece counted by its lowest holder, a tp replica's shards among them
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -52,11 +52,7 @@ class ReplicasEngine(Engine):
         tp_mesh = None
         if replica.tp > 1:  # this replica's own tensor parallelism, over its ranks (a whole model: depth 1)
             policy = ctx.require_policy(f"tensor parallelism in Plan.replicas[{self.replica.index}]")
-            for i, other in enumerate(plan.replicas):
-                try:
-                    policy.check_tp(model, other.tp)
-                except PlanError as exc:
-                    raise PlanError(f"Plan.replicas[{i}].tp: {exc}") from None
+            check_replica_tp(policy, model, plan)
             assert self.group is not None
             tp_mesh = DeviceMesh.from_group(self.group, ctx.device.type, mesh_dim_names=("tp",))
         if replica.depth == 1:
@@ -99,16 +95,6 @@ class ReplicasEngine(Engine):
 
     def norm_groups(self) -> tuple[tuple[Any, ...], Collection[int]]:
         return (dist.group.WORLD,), self.layer_sync.uncounted  # every gradient counted by its lowest holder
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
-        # Each piece of a gradient is counted by its lowest holder (a tp replica's shards among them): the
-        # pieces' squares add up over every rank at once, not first over a tp group.
-        params = list(model.parameters())
-        if self.ctx.scaler is not None and self.ctx.scaler.unscale_(params):
-            return torch.tensor(float("inf"))
-        return clip_grads_(
-            params, max_norm, norm_type, across=(dist.group.WORLD,), uncounted=self.layer_sync.uncounted, pieces=True
-        )
 
     def reduce_loss(self, value: torch.Tensor) -> torch.Tensor:
         # each stage of a replica has the replica's loss: count each replica once
