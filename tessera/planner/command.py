@@ -173,12 +173,11 @@ def print_launch(plan, cluster, out: str, config: str = "CONFIG", global_batch: 
         return
     order, ranks = _machines(plan, cluster)
     commands = _commands(train, order, ranks)
-    lines = [f"{host}: {command}" for host, command in zip(order, commands)]
     where = f"(machine names stand for their addresses; the rendezvous is on {order[0]})"
     if len(order) <= CONSOLE_LAUNCH_NODES:
-        print(f"launch plan 0, one command per machine {where}:\n  " + "\n  ".join(lines))
+        print(f"launch plan 0, one command per machine {where}:\n  " + "\n  ".join(_lines(order, commands)))
         return
-    path, script, hosts = _launch_files(out, order, lines, commands)
+    path, script, hosts = _launch_files(out, order, commands)
     print(
         f"launch plan 0 on {len(order)} machines ({ranks_of(plan, cluster)} ranks): one command per machine in "
         f"{path} (first {order[0]} --node-rank 0, last {order[-1]} --node-rank {len(order) - 1}) {where}; or run "
@@ -229,11 +228,10 @@ def _print_group_launch(plan, cluster, out: str, train: str) -> None:
     per_group = []
     for g, (order, ranks) in enumerate(jobs):
         commands = _commands(f"{train} --group {g} --lighthouse {url}", order, ranks)
-        lines = [f"{host}: {command}" for host, command in zip(order, commands)]
         if machines <= CONSOLE_LAUNCH_NODES:
-            per_group.append(f"group {g} (its rendezvous on {order[0]}):\n  " + "\n  ".join(lines))
+            per_group.append(f"group {g} (its rendezvous on {order[0]}):\n  " + "\n  ".join(_lines(order, commands)))
         else:
-            path, script, hosts = _launch_files(out, order, lines, commands, f".group{g}")
+            path, script, hosts = _launch_files(out, order, commands, f".group{g}")
             per_group.append(
                 f"group {g}: {len(order)} machines ({sum(ranks)} ranks, rendezvous on {order[0]}): one command per "
                 f"machine in {path}, or `bash {script}` on each of the machines in {hosts}"
@@ -241,13 +239,16 @@ def _print_group_launch(plan, cluster, out: str, train: str) -> None:
     print(head + ":\n" + "\n".join(per_group))
 
 
-def _launch_files(
-    out: str, machines: list[str], lines: list[str], commands: list[str], part: str = ""
-) -> tuple[Path, Path, Path]:
+def _lines(machines: list[str], commands: list[str]) -> list[str]:
+    """``machine: command``, one per machine."""
+    return [f"{host}: {command}" for host, command in zip(machines, commands)]
+
+
+def _launch_files(out: str, machines: list[str], commands: list[str], part: str = "") -> tuple[Path, Path, Path]:
     """``<out><part>.launch.txt`` (one ``machine: command`` line each), its script and its host file."""
     path = Path(out).with_suffix(f"{part}.launch.txt")
     check_output_file(str(path), "the launch file", force=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(_lines(machines, commands)) + "\n")
     script, hosts = _launch_script(out, machines, commands, part)
     return path, script, hosts
 

@@ -110,9 +110,13 @@ def whole_pass_seconds(
 ) -> float:
     """Median seconds of one forward and backward of the whole ``model`` at one sample: timed at a profile's
     start and end, what the device's speed did meanwhile (``RankMeasurement.recheck_s``)."""
+    return _step_seconds(model, _one_sample(model, seq_len, device), repeats, window_s)
+
+
+def _one_sample(model: nn.Module, seq_len: int, device: torch.device) -> torch.Tensor:
+    """One sample of tokens, the same on every rank that asks (a fixed seed)."""
     torch.manual_seed(1)
-    tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
-    return _step_seconds(model, tokens, repeats, window_s)
+    return torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
 
 
 def _plain_and_sharded_seconds(
@@ -126,8 +130,7 @@ def _plain_and_sharded_seconds(
     from tessera.parallel.data_parallel import repeated_blocks
 
     mesh = DeviceMesh.from_group(group, device.type)
-    torch.manual_seed(1)  # the same tokens on every member
-    tokens = torch.randint(0, model.config.vocab_size, (1, seq_len), device=device)
+    tokens = _one_sample(model, seq_len, device)  # the same tokens on every member
     plain = _step_seconds(model, tokens, repeats, window_s)
     sharded = copy.deepcopy(model)
     for block in repeated_blocks(sharded):
