@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from testbed_cluster import BATCH, profile_testbed  # noqa: E402
-from testbed_predictions import predict_rows, run  # noqa: E402
+from testbed_predictions import error_summary, measured_row, predict_rows, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = Path(__file__).with_name("prediction_sets.yaml")
@@ -94,18 +93,7 @@ def stability(bed: dict, name: str, first: Any, profiles: int, cpus: float, step
 def pooled(beds: dict[str, dict]) -> dict:
     """Median and worst absolute error of each predictor over every held-out layout, and memory."""
     rows = [row for bed in beds.values() for row in bed["rows"].values()]
-    out = {}
-    for key in ("cost_model", "simulator"):
-        errors = [abs(r[f"{key}_error"]) for r in rows]
-        out[key] = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
-    memory = [abs(e) for r in rows for e in r["memory_error"]]
-    out["memory"] = {
-        "median_abs_error": statistics.median(memory),
-        "worst_abs_error": max(memory),
-        "within_15_percent": sum(e <= 0.15 for e in memory) / len(memory),
-    }
-    out["layouts"] = len(rows)
-    return out
+    return {**error_summary(rows), "layouts": len(rows)}
 
 
 def main() -> None:
@@ -144,18 +132,7 @@ def main() -> None:
                     continue
                 measured[layout].append(result)
                 print(f"{name} rep {rep} {layout:34s} {result['step_s']:.3f} s/step", flush=True)
-        rows = {}
-        for layout, (plan, nproc) in layouts.items():
-            if layout in failed:
-                continue
-            runs = measured[layout]
-            rows[layout] = {
-                "plan": plan,
-                "ranks": nproc,
-                "measured_step_s": statistics.median(m["step_s"] for m in runs),
-                "runs_s": [m["step_s"] for m in runs],
-                "measured_peak_bytes": [max(m["peak_bytes"][i] for m in runs) for i in range(nproc)],
-            }
+        rows = {k: measured_row(plan, nproc, measured[k]) for k, (plan, nproc) in layouts.items() if k not in failed}
         summary = predict_rows(rows, tb.cluster, tb.costs)
         out["beds"][name] = {
             **{k: bed[k] for k in ("model", "link_mbit", "slow_link_mbit")},

@@ -138,13 +138,7 @@ def main() -> None:
             measured[name].append(result)
             print(f"rep {rep} {name:26s} {result['step_s']:.3f} s/step", flush=True)
 
-    rows = {}
-    for name, (plan_dict, nproc) in layouts.items():
-        row: dict[str, Any] = {"plan": plan_dict, "ranks": nproc}
-        row["measured_step_s"] = statistics.median(m["step_s"] for m in measured[name])
-        row["runs_s"] = [m["step_s"] for m in measured[name]]
-        row["measured_peak_bytes"] = [max(m["peak_bytes"][i] for m in measured[name]) for i in range(nproc)]
-        rows[name] = row
+    rows = {name: measured_row(plan_dict, nproc, measured[name]) for name, (plan_dict, nproc) in layouts.items()}
     summary = predict_rows(rows, cluster, costs)
     if args.json:
         out = {
@@ -159,6 +153,34 @@ def main() -> None:
         }
         Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
         print(f"wrote {args.json}")
+
+
+def measured_row(plan: dict, nproc: int, runs: list[dict]) -> dict[str, Any]:
+    """One layout's row from its runs (each :func:`run`'s result): the median step, every run's, and each
+    rank's largest peak."""
+    return {
+        "plan": plan,
+        "ranks": nproc,
+        "measured_step_s": statistics.median(m["step_s"] for m in runs),
+        "runs_s": [m["step_s"] for m in runs],
+        "measured_peak_bytes": [max(m["peak_bytes"][i] for m in runs) for i in range(nproc)],
+    }
+
+
+def error_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Median and worst absolute error of each predictor over ``rows`` (after :func:`predict_rows` filled
+    them), and of the memory predictions over every rank."""
+    summary = {}
+    for key in ("cost_model", "simulator"):
+        errors = [abs(r[f"{key}_error"]) for r in rows]
+        summary[key] = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+    memory_errors = [abs(e) for r in rows for e in r["memory_error"]]
+    summary["memory"] = {
+        "median_abs_error": statistics.median(memory_errors),
+        "worst_abs_error": max(memory_errors),
+        "within_15_percent": sum(e <= 0.15 for e in memory_errors) / len(memory_errors),
+    }
+    return summary
 
 
 def predict_rows(rows: dict[str, dict], cluster: Any, costs: Any) -> dict:
@@ -179,20 +201,9 @@ def predict_rows(rows: dict[str, dict], cluster: Any, costs: Any) -> dict:
                 for p, m in zip(row["predicted_peak_bytes"], row["measured_peak_bytes"])
             )
         )  # fmt: skip
-    summary = {}
+    summary = error_summary(list(rows.values()))
     for key in ("cost_model", "simulator"):
-        errors = [abs(r[f"{key}_error"]) for r in rows.values()]
-        summary[key] = {
-            "median_abs_error": statistics.median(errors),
-            "worst_abs_error": max(errors),
-            "order_agreement": order_agreement(rows, f"{key}_s"),
-        }
-    memory_errors = [abs(e) for r in rows.values() for e in r["memory_error"]]
-    summary["memory"] = {
-        "median_abs_error": statistics.median(memory_errors),
-        "worst_abs_error": max(memory_errors),
-        "within_15_percent": sum(e <= 0.15 for e in memory_errors) / len(memory_errors),
-    }
+        summary[key]["order_agreement"] = order_agreement(rows, f"{key}_s")
     print("summary", json.dumps(summary, indent=1))
     return summary
 
