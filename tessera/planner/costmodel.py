@@ -65,6 +65,7 @@ from tessera.planner.layout import (
     MixedLayout,
     OpTimes,
     ReplicaSpec,
+    SyncGroup,
     grad_sync_s,
     op_times,
     optimizer_s,
@@ -294,11 +295,25 @@ def bottleneck(layout: Layout, breakdown: dict[str, float]) -> str:
 
 
 # ------------------------------------------------- replicas of different depth
-def replica_sync_s(costs: ModelCosts, link: Link, replicas: int) -> float:
-    """Every fp32 gradient all-reduced among the replicas (one holder of each layer per replica), in
-    flat buckets of ``BUCKET_BYTES`` one after the other, each paying the ring's latency."""
-    grads = 4 * costs.stage_params(0, costs.n_layers)
-    return link.all_reduce_s(grads, replicas, calls=math.ceil(grads / BUCKET_BYTES))
+def replica_sync_s(groups: tuple[SyncGroup, ...]) -> float:
+    """Every fp32 gradient averaged among its holders (:func:`~tessera.planner.layout.sync_groups`): each
+    group's all-reduce over its own slowest link, in flat buckets of ``BUCKET_BYTES`` one after the other,
+    each paying the ring's latency. Every rank handles its groups in the runtime's order (sorted ranks), so a
+    group starts once all its ranks are done with earlier ones; groups of disjoint ranks overlap."""
+    free: dict[int, float] = {}
+    for group in groups:
+        grads = 4 * group.params
+        start = max(free.get(rank, 0.0) for rank in group.ranks)
+        end = start + group.link.all_reduce_s(grads, len(group.ranks), calls=math.ceil(grads / BUCKET_BYTES))
+        free.update(dict.fromkeys(group.ranks, end))
+    return max(free.values(), default=0.0)
+
+
+def replica_sync_floor(costs: ModelCosts, link: Link, replicas: int, most_devices: int) -> float:
+    """No split of the layers makes the sync of ``replicas`` replicas shorter, when every group's slowest link
+    is ``link`` (the search's: each replica in one node) and the largest replica has ``most_devices``: one of
+    its devices holds ≥ 1/most_devices of the gradients and reduces all of them, one group after the other."""
+    return link.all_reduce_s(4 * costs.stage_params(0, costs.n_layers) / most_devices, replicas)
 
 
 def replica_optimizer_s(view: Layout, costs: ModelCosts) -> float:
@@ -317,7 +332,7 @@ def mixed_estimate(layout: MixedLayout, costs: ModelCosts) -> Estimate:
         for s, unit in enumerate(spec.units):
             state, act, buf = device_memory(part, costs, spec, s)
             memory.append(DeviceMemory(i, s, unit.device, state, act, buf, unit.memory_bytes))
-    sync = replica_sync_s(costs, layout.sync_link, len(layout.parts))
+    sync = replica_sync_s(layout.sync_groups)
     step = max(pipes) + sync + max(opts)
     part = layout.parts[max(range(len(layout.parts)), key=lambda i: pipes[i])]  # the critical replica
     causes = breakdown(part, costs, step, [sync], max(opts))

@@ -91,11 +91,25 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class SyncGroup:
+    """One all-reduce of the replicas' gradient sync: the ranks that hold the same gradient pieces (one per
+    replica, as ``(replica, stage, tp index)``), how many parameters they average, and the slowest link
+    among their nodes (a group of replicas that never crosses a slow link never pays for it)."""
+
+    holders: tuple[tuple[int, int, int], ...]
+    ranks: tuple[int, ...]  # the holders' plan ranks, sorted: the runtime handles its groups in this order
+    params: float
+    link: Link
+    nodes: frozenset[str]
+
+
+@dataclass(frozen=True)
 class MixedLayout:
-    """Replicas of several depths: one one-replica Layout per replica (pp = its depth, dp = R)."""
+    """Replicas of several depths: one one-replica Layout per replica (pp = its depth, dp = R), and the
+    groups their gradients are averaged in (:func:`sync_groups`)."""
 
     parts: tuple[Layout, ...]
-    sync_link: Link
+    sync_groups: tuple[SyncGroup, ...]
     devices: tuple[tuple[int, ...], ...] = field(default=())  # each replica's cluster devices, stage order
 
     @property
@@ -400,6 +414,42 @@ def unit_of(cluster: Cluster, members: list, dtype: str) -> UnitSpec:
     )
 
 
+def sync_groups(
+    parts: tuple[Layout, ...], devices: tuple[tuple[int, ...], ...], cluster: Cluster, costs: ModelCosts
+) -> tuple[SyncGroup, ...]:
+    """The all-reduce groups of replicas ``parts`` placed on cluster ``devices`` (each replica's, stage by
+    stage, tp ranks within a stage; ranks in that order), as the runtime's ``LayerSync`` forms them: each
+    parameter averaged over the ranks holding it, one per replica (a tied head's weight: every copy), a
+    parameter that tp replicas split cut into lcm(tp) pieces, each held by one tp rank of each such replica."""
+    pieces = math.lcm(*(p.tp for p in parts))
+    names = cluster.devices()
+    first_rank = [sum(len(d) for d in devices[:i]) for i in range(len(devices))]
+
+    def stage_of(part: Layout, layer: int) -> int:
+        return next(s for s, (a, b) in enumerate(part.stages) if a <= layer < b)
+
+    last = costs.n_layers - 1
+    owners = [([0], costs.parts["first"].params), ([last], costs.parts["last"].params - costs.shared_params)]
+    owners += [([layer], costs.parts["block"].params) for layer in range(costs.n_layers)]
+    owners.append(([0, last], costs.shared_params))  # a tied head: the embedding's copies on both stages
+    params: dict[tuple[tuple[int, int, int], ...], float] = {}
+    for layers, count in owners:
+        for k in range(pieces):
+            key = tuple(
+                sorted({(i, stage_of(p, layer), k * p.tp // pieces) for i, p in enumerate(parts) for layer in layers})
+            )
+            params[key] = params.get(key, 0.0) + count / pieces
+    groups = []
+    for holders, count in params.items():
+        if count <= 0 or len(holders) < 2:
+            continue
+        placed = [(first_rank[i] + s * parts[i].tp + t, devices[i][s * parts[i].tp + t]) for i, s, t in holders]
+        nodes = frozenset(names[d][0] for _, d in placed)
+        ranks = tuple(sorted(r for r, _ in placed))
+        groups.append(SyncGroup(holders, ranks, count, cluster.worst_link(set(nodes)), nodes))
+    return tuple(sorted(groups, key=lambda g: g.ranks))
+
+
 def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, global_batch: int) -> MixedLayout:
     """The MixedLayout of a ``Plan.replicas`` plan on ``cluster`` (rank i on device ``plan.device_of(i)``)."""
     assert plan.replicas is not None
@@ -409,7 +459,7 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
     samples = plan.samples_per_rank(global_batch)
     m = plan.pipeline.microbatches
     r = len(plan.replicas)
-    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(world)})
+    link = cluster.worst_link({devices[plan.device_of(i)][0] for i in range(world)})  # each part's dp_links
     parts, placed = [], []
     for i, (replica, n) in enumerate(zip(plan.replicas, samples)):
         ranks = plan.replica_ranks(i)
@@ -428,4 +478,4 @@ def mixed_layout_from_plan(plan: Plan, cluster: Cluster, costs: ModelCosts, glob
                    (spec,), (link,) * replica.depth, grads_freed=True)
         )  # fmt: skip
         placed.append(tuple(members))
-    return MixedLayout(tuple(parts), link, tuple(placed))
+    return MixedLayout(tuple(parts), sync_groups(tuple(parts), tuple(placed), cluster, costs), tuple(placed))

@@ -13,7 +13,7 @@ runtime averages each layer's gradient over the ranks that hold it once every pi
 so the step is::
 
     step = max_r ( pipeline_r + optimizer_r ) + sync,
-    sync = all-reduce of every fp32 gradient among the R replicas over the slowest link
+    sync = each group of gradient holders' all-reduce over its own slowest link (replica_sync_s)
 
 (the slowest optimizer is counted with its own replica, not after every replica's pipeline: a
 small optimism that keeps replicas independent given their micro-batch sizes).
@@ -40,9 +40,25 @@ from dataclasses import dataclass
 from tessera.cluster.spec import Cluster, Link
 from tessera.plan import PipelineSpec, Plan, Replica
 from tessera.planner.bounds import pipelines_floor
-from tessera.planner.costmodel import INFEASIBLE, device_memory, pipeline_s, replica_optimizer_s, replica_sync_s
+from tessera.planner.costmodel import (
+    INFEASIBLE,
+    device_memory,
+    pipeline_s,
+    replica_optimizer_s,
+    replica_sync_floor,
+    replica_sync_s,
+)
 from tessera.planner.costs import ModelCosts
-from tessera.planner.layout import Layout, MixedLayout, ReplicaSpec, UnitSpec, op_times, transfers_line, unit_of
+from tessera.planner.layout import (
+    Layout,
+    MixedLayout,
+    ReplicaSpec,
+    UnitSpec,
+    op_times,
+    sync_groups,
+    transfers_line,
+    unit_of,
+)
 from tessera.planner.space import proportional_split, splits
 
 DEPTH_LIMIT = 64  # shape combinations enumerated; above it, per kind of pool, then each pool's smallest
@@ -190,7 +206,7 @@ class _Option:
     """One depth per pool, micro-batch count and recompute: its replicas, and the best shares and splits."""
 
     kinds: list[_Kind]  # one per replica (replicas of one pool and depth share the object)
-    sync: float
+    sync_floor: float  # no layer split syncs faster (the sync itself depends on the splits the shares pick)
 
     def floor(self, costs: ModelCosts, global_batch: int, m: int) -> float:
         """No shares or splits make this option's step shorter (:func:`~tessera.planner.bounds.pipelines_floor`,
@@ -200,19 +216,19 @@ class _Option:
             # a tp group at best computes tp times as fast as one device (its collectives cost more)
             kinds.append((self.kinds.count(kind), [kind.pool.unit.peak_tflops * kind.tp] * kind.depth))
             transfers.append(transfers_line(costs, (kind.pool.link,) * (kind.depth - 1)))
-        return pipelines_floor(costs, kinds, transfers, 1, m, global_batch) + self.sync
+        return pipelines_floor(costs, kinds, transfers, 1, m, global_batch) + self.sync_floor
 
     def shares(self, total: int, exhaustive: bool) -> tuple[float, list[int], list[tuple]] | None:
-        """(step, micro-batch size per replica summing to ``total``, split per replica), or None if nothing fits.
+        """(step without the sync, micro-batch size per replica summing to ``total``, split per replica), or
+        None if nothing fits.
 
-        The step is ``max pipeline + sync + max optimizer``. For each cap on the optimizer step
+        The step without the sync is ``max pipeline + max optimizer``. For each cap on the optimizer step
         (every split's is a candidate) each replica's best time is increasing in its micro-batch,
         so the greedy is exact under that cap; the best over caps is the optimum. ``exhaustive``
         tries every share vector and every split of every replica instead."""
         if total < len(self.kinds):
             return None
-        found = self._every(total) if exhaustive else self._greedy(total)
-        return None if found is None else (found[0] + self.sync, found[1], found[2])
+        return self._every(total) if exhaustive else self._greedy(total)
 
     def _greedy(self, total: int) -> tuple[float, list[int], list[tuple]] | None:
         best = None
@@ -273,14 +289,15 @@ def mixed_candidates(
                 for pool, shape in zip(all_pools, depths):
                     kind = _Kind(costs, pool, shape, m, schedule, recompute, r, link)
                     kinds += [kind] * (len(pool.devices) // (shape[0] * shape[1]))
-                option = _Option(kinds, replica_sync_s(costs, link, r))
+                most = max(k.depth * k.tp for k in kinds)
+                option = _Option(kinds, replica_sync_floor(costs, link, r, most))
                 if beaten is not None and option.floor(costs, global_batch, m) > beaten:
                     continue
                 found = option.shares(global_batch // m, exhaustive)
                 if found is not None:
                     step, sizes, stages = found
-                    plan, layout = _plan(cluster, costs, all_pools, kinds, sizes, stages, link)
-                    yield step, plan, layout, _label(all_pools, depths)
+                    plan, layout = _plan(cluster, costs, all_pools, kinds, sizes, stages)
+                    yield step + replica_sync_s(layout.sync_groups), plan, layout, _label(all_pools, depths)
 
 
 def _label(all_pools: list[Pool], shapes: tuple[tuple[int, int], ...]) -> str:
@@ -290,7 +307,7 @@ def _label(all_pools: list[Pool], shapes: tuple[tuple[int, int], ...]) -> str:
     )
 
 
-def _plan(cluster, costs, all_pools, kinds, sizes, stage_splits, link) -> tuple[Plan, MixedLayout]:
+def _plan(cluster, costs, all_pools, kinds, sizes, stage_splits) -> tuple[Plan, MixedLayout]:
     m, schedule, recompute = kinds[0].args[:3]
     replicas, parts, placed = [], [], []
     devices = iter(d for p in all_pools for d in p.devices)
@@ -306,4 +323,4 @@ def _plan(cluster, costs, all_pools, kinds, sizes, stage_splits, link) -> tuple[
         recompute=recompute,
         rank_devices=tuple(f"{names[d][0]}:{names[d][1]}:{names[d][2].name}" for group in placed for d in group),
     )
-    return plan, MixedLayout(tuple(parts), link, tuple(placed))
+    return plan, MixedLayout(tuple(parts), sync_groups(tuple(parts), tuple(placed), cluster, costs), tuple(placed))

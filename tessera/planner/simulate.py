@@ -451,28 +451,36 @@ def simulate(layout: Layout | MixedLayout, costs: ModelCosts) -> Simulation:
 
 
 def _simulate_mixed(layout: MixedLayout, costs: ModelCosts) -> Simulation:
-    """Replicas of different depth: each one's pipeline; once all are done (as the runtime's LayerSync
-    does) every layer's gradients averaged over the replicas in flat buckets; then each device's step."""
+    """Replicas of different depth: each one's pipeline; then (as the runtime's LayerSync does) each group of
+    gradient holders averaged in flat buckets over its own links, every rank taking its groups in order; then
+    each replica's step once its groups are done."""
     engine = Engine()
     steps = []
     for index, part in enumerate(layout.parts):
         step = _Step(engine, replace(part, dp=1), costs, offset=index)  # its own sync is the replicas' one below
         step.passes()
         steps.append(step)
-    n, link = len(layout.parts), layout.sync_link
-    channel = engine.channel(("replicas",), link.bandwidth_gbs, link.burst_bytes)
-    previous = [task for step in steps for task in step.last_backward.values()]
-    left = GRAD_BYTES * sum(p.params for p in _parts(costs, 0, costs.n_layers))
-    while left > 0 and n > 1:
-        chunk = min(left, BUCKET_BYTES)
-        left -= chunk
-        previous = [
-            engine.add(
-                tuple(("comm", index, 0) for index in range(n)), previous, volume=2 * (n - 1) / n * chunk,
-                latency=2 * (n - 1) * link.latency_us * 1e-6, channels=(channel,), comm="data parallel",
-            )
-        ]  # fmt: skip
-    for step in steps:
-        step.optimizer(extra=previous)
+    done: dict[int, int] = {}  # rank -> its last sync task
+    synced: dict[int, list[int]] = {}  # replica -> the sync tasks of its groups
+    for group in layout.sync_groups:
+        link, n = group.link, len(group.ranks)
+        channel = engine.channel(("replicas", group.nodes), link.bandwidth_gbs, link.burst_bytes)  # by node set
+        previous = [steps[i].last_backward[(0, s)] for i, s, _ in group.holders]
+        previous += [done[rank] for rank in group.ranks if rank in done]
+        left = GRAD_BYTES * group.params
+        while left > 0:
+            chunk = min(left, BUCKET_BYTES)
+            left -= chunk
+            previous = [
+                engine.add(
+                    tuple(("sync", *holder) for holder in group.holders), previous, volume=2 * (n - 1) / n * chunk,
+                    latency=2 * (n - 1) * link.latency_us * 1e-6, channels=(channel,), comm="data parallel",
+                )
+            ]  # fmt: skip
+        done.update(dict.fromkeys(group.ranks, previous[0]))
+        for i in {i for i, _, _ in group.holders}:
+            synced.setdefault(i, []).append(previous[0])
+    for index, step in enumerate(steps):
+        step.optimizer(extra=synced.get(index, []))
     end, busy = engine.run()
     return Simulation(end, tuple(_events(engine, steps)), busy)
