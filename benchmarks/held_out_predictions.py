@@ -15,7 +15,7 @@ On the stability bed the profile is taken ``--profiles`` times: the planner plan
 is priced under every other profile, against that profile's own spread (:attr:`LiveProfile.spread`).
 
     sudo python benchmarks/held_out_predictions.py [--reps 2] [--steps 8] [--profiles 3] \\
-        [--json docs/held_out_predictions_2.json]
+        [--json docs/held_out_predictions_3.json]
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def check_frozen(sets: dict) -> str:
             "and draw new held-out cases (benchmarks/prediction_sets.yaml)."
         )
     return frozen
+
+
+def with_paths(model: dict) -> dict:
+    """A bed's model with an ``hf_config`` path relative to the repository made absolute (runs start elsewhere)."""
+    path = model.get("hf_config")
+    return {**model, "hf_config": str(ROOT / path)} if path and not Path(path).is_absolute() else model
 
 
 def stability(bed: dict, name: str, first: Any, profiles: int, cpus: float, steps: int) -> dict:
@@ -112,6 +118,7 @@ def main() -> None:
     for name, bed in held["beds"].items():
         if args.only and name not in args.only:
             continue
+        bed = {**bed, "model": with_paths(bed["model"])}
         tb = profile_testbed(
             f"held-out-{name}-", bed["link_mbit"], args.cpus, args.steps, bed["slow_link_mbit"], bed["model"]
         )
