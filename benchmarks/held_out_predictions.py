@@ -16,14 +16,19 @@ is priced under every other profile, against that profile's own spread (:attr:`L
 
     sudo python benchmarks/held_out_predictions.py [--reps 2] [--steps 8] [--profiles 3] \\
         [--json docs/held_out_predictions_3.json]
+
+Each run also records the host's speed beside it (:func:`host_seconds`), and each row a second score
+against its steps scaled to the host's speed during the profile (``host_normalised``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,40 @@ def check_frozen(sets: dict) -> str:
             "and draw new held-out cases (benchmarks/prediction_sets.yaml)."
         )
     return frozen
+
+
+def host_seconds() -> float:
+    """Seconds of a fixed single-threaded workload here, the median of five: the host's speed now. This shared
+    machine drifts by tens of percent over minutes, and each layout runs minutes after the profile, so each
+    run records the host's speed beside it (``host_ratio``: this over its value around the profile)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 192, generator=gen), torch.randn(192, 192, generator=gen) / 14
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(2000):  # matmuls and small element-wise ops, as a training step mixes them
+            x = torch.tanh(x @ w) + 0.01
+        times.append(time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return statistics.median(times)
+
+
+def normalised(rows: list[dict]) -> dict:
+    """Each row's steps divided by the host's speed ratio of their run (the host as fast as during the
+    profile), the predictors' errors against that, and their median and worst."""
+    for row in rows:
+        row["normalised_step_s"] = statistics.median(t / r for t, r in zip(row["runs_s"], row["host_ratios"]))
+        for key in ("cost_model", "simulator"):
+            row[f"{key}_error_normalised"] = row[f"{key}_s"] / row["normalised_step_s"] - 1
+    out = {}
+    for key in ("cost_model", "simulator"):
+        errors = [abs(row[f"{key}_error_normalised"]) for row in rows]
+        out[key] = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+    return out
 
 
 def with_paths(model: dict) -> dict:
@@ -99,7 +138,7 @@ def stability(bed: dict, name: str, first: Any, profiles: int, cpus: float, step
 def pooled(beds: dict[str, dict]) -> dict:
     """Median and worst absolute error of each predictor over every held-out layout, and memory."""
     rows = [row for bed in beds.values() for row in bed["rows"].values()]
-    return {**error_summary(rows), "layouts": len(rows)}
+    return {**error_summary(rows), "host_normalised": normalised(rows), "layouts": len(rows)}
 
 
 def main() -> None:
@@ -119,9 +158,11 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         bed = {**bed, "model": with_paths(bed["model"])}
+        before = host_seconds()
         tb = profile_testbed(
             f"held-out-{name}-", bed["link_mbit"], args.cpus, args.steps, bed["slow_link_mbit"], bed["model"]
         )
+        at_profile = (before + host_seconds()) / 2
         layouts = {k: (v["plan"], v["ranks"]) for k, v in bed["layouts"].items()}
         measured: dict[str, list[dict]] = {k: [] for k in layouts}
         failed: dict[str, str] = {}  # a layout that does not run is reported, not scored
@@ -130,19 +171,28 @@ def main() -> None:
                 if layout in failed:
                     continue
                 try:
+                    before = host_seconds()
                     result = run(
                         tb.work, layout, plan, nproc, tb.cluster_file, args.cpus, args.steps, model=bed["model"]
                     )
+                    result["host_ratio"] = (before + host_seconds()) / 2 / at_profile
                 except SystemExit as exc:
                     failed[layout] = str(exc)[-2000:]
                     print(f"{name} rep {rep} {layout:34s} FAILED: {failed[layout]}", flush=True)
                     continue
                 measured[layout].append(result)
-                print(f"{name} rep {rep} {layout:34s} {result['step_s']:.3f} s/step", flush=True)
+                print(
+                    f"{name} rep {rep} {layout:34s} {result['step_s']:.3f} s/step, host {result['host_ratio']:.2f}x "
+                    "its time at the profile",
+                    flush=True,
+                )
         rows = {k: measured_row(plan, nproc, measured[k]) for k, (plan, nproc) in layouts.items() if k not in failed}
-        summary = predict_rows(rows, tb.cluster, tb.costs)
+        for k, row in rows.items():
+            row["host_ratios"] = [m["host_ratio"] for m in measured[k]]
+        summary = {**predict_rows(rows, tb.cluster, tb.costs), "host_normalised": normalised(list(rows.values()))}
         out["beds"][name] = {
             **{k: bed[k] for k in ("model", "link_mbit", "slow_link_mbit")},
+            "host_seconds_at_profile": at_profile,
             "live_profile": json.loads(tb.live.to_json()),
             "rows": rows,
             "failed": failed,
