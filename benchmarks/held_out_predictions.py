@@ -17,6 +17,9 @@ is priced under every other profile, against that profile's own spread (:attr:`L
     sudo python benchmarks/held_out_predictions.py [--reps 2] [--steps 8] [--profiles 3] \\
         [--json docs/held_out_predictions_3.json]
 
+``--repredict FILE`` runs nothing: it prints a stored run's layouts predicted by the predictors as they are
+in this checkout, each bed from its stored profile (the file keeps the scored predictions).
+
 Each run also records the host's speed beside it (:func:`host_seconds`), and each row a second score
 against its steps scaled to the host's speed during the profile (``host_normalised``).
 """
@@ -36,7 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from testbed_cluster import BATCH, profile_testbed  # noqa: E402
-from testbed_predictions import error_summary, measured_row, predict_rows, run  # noqa: E402
+from testbed_predictions import error_summary, measured_row, predict_rows, run, stored_inputs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = Path(__file__).with_name("prediction_sets.yaml")
@@ -141,6 +144,19 @@ def pooled(beds: dict[str, dict]) -> dict:
     return {**error_summary(rows), "host_normalised": normalised(rows), "layouts": len(rows)}
 
 
+def repredict(path: Path) -> None:
+    """Predict a stored held-out run's layouts again, each bed from its own stored profile, with the predictors
+    as they are here (e.g. at a later or earlier commit); prints, and leaves the scored file as it was."""
+    stored = json.loads(path.read_text())
+    for name, bed in stored["beds"].items():
+        cluster, costs = stored_inputs(
+            bed["live_profile"], stored["steps"], bed["link_mbit"], bed["slow_link_mbit"], with_paths(bed["model"])
+        )
+        print(name)
+        rows = json.loads(json.dumps(bed["rows"]))  # a copy: the stored predictions stay the scored ones
+        predict_rows(rows, cluster, costs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
@@ -149,7 +165,11 @@ def main() -> None:
     ap.add_argument("--profiles", type=int, default=3, help="live profiles of the stability bed (1: none again)")
     ap.add_argument("--only", nargs="*", help="run only these beds")
     ap.add_argument("--json")
+    ap.add_argument("--repredict", help="a stored run's JSON: predict its layouts again here, run nothing")
     args = ap.parse_args()
+    if args.repredict:
+        repredict(Path(args.repredict))
+        return
     sets = yaml.safe_load(SETS.read_text())
     frozen = check_frozen(sets)
     held = sets["held_out"]

@@ -208,20 +208,27 @@ def predict_rows(rows: dict[str, dict], cluster: Any, costs: Any) -> dict:
     return summary
 
 
-def repredict(path: Path) -> None:
-    """Predict a stored run's layouts again from the live profile stored with it; rewrite ``path``."""
+def stored_inputs(live: dict, steps: int, link_mbit: float, slow_link_mbit: float, model: dict = MODEL) -> tuple:
+    """(cluster, costs) the predictors read, rebuilt from a stored run's live profile and bed."""
     import tempfile
 
     import yaml
 
     from tessera.planner.live.records import LiveProfile
 
-    stored = json.loads(path.read_text())
     work = Path(tempfile.mkdtemp(prefix="testbed-repredict-"))
-    (work / "live.json").write_text(json.dumps(stored["live_profile"]))
-    (work / "model.yaml").write_text(yaml.safe_dump(config(work, {"preset": "ddp"}, stored["steps"], "repredict")))
-    spec = cluster_spec(stored["link_mbit"], stored["slow_link_mbit"])
+    (work / "live.json").write_text(json.dumps(live))
+    (work / "model.yaml").write_text(yaml.safe_dump(config(work, {"preset": "ddp"}, steps, "repredict", model=model)))
+    spec = cluster_spec(link_mbit, slow_link_mbit)
     _, cluster, costs = measured_inputs(work / "model.yaml", spec, LiveProfile.load(work / "live.json"))
+    return cluster, costs
+
+
+def repredict(path: Path) -> None:
+    """Predict a stored run's layouts again from the live profile stored with it; rewrite ``path``."""
+    stored = json.loads(path.read_text())
+    bed = (stored["live_profile"], stored["steps"], stored["link_mbit"], stored["slow_link_mbit"])
+    cluster, costs = stored_inputs(*bed)
     stored["summary"] = predict_rows(stored["rows"], cluster, costs)
     path.write_text(json.dumps(stored, indent=1, default=str) + "\n")
     print(f"rewrote {path}")
