@@ -27,6 +27,10 @@ their own. The whole ``plan_for`` (grid search, groups per region, subsets witho
 replicas of different depth), once per shape, one thread; run it under ``taskset -c 0`` for one core.
 70B from 256 devices, 8B below; precision as ``tessera plan`` chooses it.
 
+Part scale-small: the same generator capped at 64 and 128 devices with the small model of the test that
+plans thirty of its shapes (8 layers, hidden 1024, batch 256): there the search per region and the replicas
+of different depth run on every shape.
+
 Part d (memory binds): two types, a fast device with little memory and a slow one with a lot.
 A 2.2 B-parameter Llama, fp32 Adam: the speed-proportional plan (uneven shares, plain DDP) does
 not fit the fast device; the planner's plan, and what it chose instead.
@@ -38,7 +42,8 @@ sync the planner picks), with what crosses the regions a step. Then the issue's 
 regions are not alike: part b's 4,096 devices (512 nodes of six types, three regions), each region
 planned alone as a fault-tolerant group of its own layout (``unlike_region_candidates``).
 
-    python benchmarks/planner.py [--part all|regret|time|family|scale|memory|regions] [--reps 3] [--json out.json]
+    python benchmarks/planner.py [--part all|regret|time|family|scale|scale-small|memory|regions]
+        [--reps 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -225,6 +230,32 @@ def scale_time(seeds: int) -> dict:
     return {"rows": rows, "slowest_s": times[-1], "median_s": statistics.median(times)}
 
 
+def scale_small_time(seeds: int, caps: tuple[int, ...] = (64, 128)) -> dict:
+    """Part s at small scale: the same generator capped at ``caps`` devices with the small model of
+    tests/test_planner.py's thirty-shape test (8 layers, hidden 1024, batch 256), where a search per region
+    and the replicas of different depth (up to 64 devices) both run; one ``plan_for`` each."""
+    from tessera.cluster.generate import scale_cluster
+    from tessera.planner import plan_for
+    from tessera.planner.precision import choose_precision
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(n_layers=8, dim=1024, n_heads=16, n_kv_heads=4, ffn_dim=4096, max_seq_len=1024))
+    rows = []
+    for cap in caps:
+        for seed in range(seeds):
+            cluster = scale_cluster(seed, max_devices=cap)
+            precision, _ = choose_precision(cluster, "auto")
+            t0 = time.perf_counter()
+            best = plan_for(cluster, model, 256, precision=precision, pin_precision=True)[0]
+            row = {"cap": cap, "seed": seed, "devices": cluster.world_size, "nodes": len(cluster.nodes),
+                   "plan_s": time.perf_counter() - t0, "step_s": best.estimate.step_s}  # fmt: skip
+            rows.append(row)
+            print(f"cap {cap:3d} seed {seed:2d} {row['devices']:4d} devices {row['nodes']:3d} nodes: "
+                  f"{row['plan_s']:.2f} s, best {row['step_s']:.4g} s/step", flush=True)  # fmt: skip
+    times = sorted(r["plan_s"] for r in rows)
+    return {"rows": rows, "slowest_s": times[-1], "median_s": statistics.median(times)}
+
+
 def memory_bound() -> dict:
     costs = _costs("fp32", 1024, n_layers=16, dim=3072, n_heads=24, n_kv_heads=24, ffn_dim=8192, vocab_size=32000)
     cluster = Cluster.from_dict(
@@ -356,7 +387,11 @@ def unlike_regions(costs: Any) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=("all", "regret", "time", "family", "scale", "memory", "regions"))
+    ap.add_argument(
+        "--part",
+        default="all",
+        choices=("all", "regret", "time", "family", "scale", "scale-small", "memory", "regions"),
+    )
     ap.add_argument("--scale-seeds", type=int, default=40, help="scale_cluster shapes planned in part scale")
     ap.add_argument("--family-seeds", type=int, default=3, help="generated clusters per size in part family")
     ap.add_argument("--reps", type=int, default=3)
@@ -373,6 +408,8 @@ def main() -> None:
         result["family_time"] = family_time(args.family_seeds, (16, 24, 64, 256, 1024, 4096))
     if args.part in ("all", "scale"):
         result["scale_time"] = scale_time(args.scale_seeds)
+    if args.part in ("all", "scale-small"):
+        result["scale_small_time"] = scale_small_time(args.scale_seeds)
     if args.part in ("all", "memory"):
         result["memory_bound"] = memory_bound()
     if args.part in ("all", "regions"):

@@ -158,6 +158,10 @@ def test_best_plan_equals_exhaustive_optimum_and_fits(costs: ModelCosts, seed: i
     assert math.isclose(found[0].estimate.step_s, optimum, rel_tol=1e-9), (found[0].estimate.step_s, optimum)
     steps = [c.estimate.step_s for c in found]
     assert steps == sorted(steps)
+    # Asked for every plan, the search has no top to beat and so skips nothing: its first five are the five
+    # that the bounds (floors, share searches stopped early) must have kept.
+    unpruned = search(cluster, costs, BATCH, top=10**9, microbatches=MICROBATCHES)[: len(found)]
+    assert [round(s, 12) for s in steps] == [round(c.estimate.step_s, 12) for c in unpruned]
     for candidate in found:
         assert candidate.estimate.fits, candidate.estimate.over_memory
         assert all(m.total <= m.capacity for m in candidate.estimate.memory)
@@ -534,6 +538,26 @@ def test_replicas_of_different_depth_are_planned_where_they_win(costs: ModelCost
         (r, s) for r, replica in enumerate(best.plan.replicas) for s in range(replica.depth)
     }
     assert draw(best, cluster, costs, tmp_path / "mixed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_replica_search_given_a_step_to_beat_drops_only_what_cannot_beat_it(costs: ModelCosts) -> None:
+    """The replica search stops a share search once its step must be above ``beaten``: what it still returns
+    is exactly the unbounded search's candidates at or under ``beaten``, at the same steps."""
+    from tessera.planner.mixed import mixed_candidates
+
+    cluster = random_cluster(106)  # pools that each want their own depth or tp: many candidates, spread out
+
+    def judged(beaten: float | None) -> dict[tuple, float]:
+        found = mixed_candidates(cluster, costs, BATCH, MICROBATCHES, beaten=beaten)
+        return {(label, plan.pipeline.microbatches, plan.recompute): step for step, plan, _, label in found}
+
+    every = judged(None)
+    steps = sorted(every.values())
+    assert len(steps) >= 6
+    for beaten in steps:  # each candidate's own step as the one to beat: it must be kept
+        kept = judged(beaten)
+        assert {key for key, step in every.items() if step <= beaten} <= set(kept)
+        assert all(math.isclose(step, every[key], rel_tol=1e-12) for key, step in kept.items())
 
 
 def test_replica_sync_is_priced_per_group_of_holders(costs: ModelCosts) -> None:

@@ -52,11 +52,13 @@ from tessera.planner.costs import ModelCosts
 from tessera.planner.layout import (
     Layout,
     MixedLayout,
+    OpTimes,
     ReplicaSpec,
     UnitSpec,
-    op_times,
+    stage_pass_s,
     sync_groups,
     transfers_line,
+    transfers_s,
     unit_of,
 )
 from tessera.planner.space import proportional_split, splits
@@ -116,8 +118,11 @@ class _Kind:
         )
         self.optimizer = {st: replica_optimizer_s(self.view(st, 1), costs) for st in self.splits}  # not in b
         self._pipe: dict[tuple[tuple, int], float] = {}
+        self._stages: dict[tuple[int, int, int, int], tuple[bool, tuple[float, float]]] = {}
+        self._transfers: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
         self._by_optimizer = sorted(self.splits, key=lambda st: self.optimizer[st])
-        self._best: dict[int, tuple[list[float], list[tuple[float, tuple]]]] = {}
+        self._caps = [self.optimizer[st] for st in self._by_optimizer]
+        self._best: dict[int, list[tuple[float, tuple]]] = {}  # per b: the running best in optimizer order
 
     def view(self, stages, b: int) -> Layout:
         """This replica as a one-replica Layout with ``stages`` and micro-batch ``b``."""
@@ -132,13 +137,25 @@ class _Kind:
         if key not in self._pipe:
             view = self.view(stages, b)
             spec = view.replicas[0]
-            full = any(
-                sum(device_memory(view, self.costs, spec, s)) > self.pool.unit.memory_bytes for s in range(self.depth)
-            )
-            self._pipe[key] = (
-                INFEASIBLE if full else pipeline_s(op_times(view, self.costs, spec), view.microbatches, view.schedule)
-            )
+            # a stage's memory and passes depend on its own layers, place and b alone: splits share them
+            if any(not self._stage(view, spec, s)[0] for s in range(self.depth)):
+                self._pipe[key] = INFEASIBLE
+            else:
+                if b not in self._transfers:
+                    self._transfers[b] = transfers_s(self.costs, spec.p2p, b)
+                passes = [self._stage(view, spec, s)[1] for s in range(self.depth)]
+                times = OpTimes(tuple(f for f, _ in passes), tuple(w for _, w in passes), *self._transfers[b])
+                self._pipe[key] = pipeline_s(times, view.microbatches, view.schedule)
         return self._pipe[key]
+
+    def _stage(self, view: Layout, spec: ReplicaSpec, s: int) -> tuple[bool, tuple[float, float]]:
+        """(whether stage ``s`` fits, its (forward, backward) seconds) at the view's micro-batch."""
+        first, end = view.stages[s]
+        key = (s, first, end, spec.micro_batch)
+        if key not in self._stages:
+            fits = sum(device_memory(view, self.costs, spec, s)) <= self.pool.unit.memory_bytes
+            self._stages[key] = (fits, stage_pass_s(view, self.costs, first, end, spec.units[s], spec.micro_batch))
+        return self._stages[key]
 
     def best(self, b: int, cap: float) -> tuple[float, tuple]:
         """(pipeline seconds, stages) of the fastest split that fits at ``b`` with an optimizer step ≤ ``cap``.
@@ -146,16 +163,13 @@ class _Kind:
         Per ``b``, the splits in order of optimizer step with the running best: every cap is then a
         bisection (the greedy asks for each cap in turn, and scanning every split each time was
         most of the planner's time on clusters of many small pools)."""
-        if b not in self._best:
-            caps, running, best = [], [], (INFEASIBLE, self.splits[0])
-            for st in self._by_optimizer:
-                best = min(best, (self.pipeline(st, b), st))
-                caps.append(self.optimizer[st])
-                running.append(best)
-            self._best[b] = (caps, running)
-        caps, running = self._best[b]
-        i = bisect.bisect_right(caps, cap)
-        return running[i - 1] if i else (INFEASIBLE, self.splits[0])
+        i = bisect.bisect_right(self._caps, cap)
+        if not i:
+            return (INFEASIBLE, self.splits[0])
+        running = self._best.setdefault(b, [])
+        for st in self._by_optimizer[len(running) : i]:  # only the splits a cap has asked for, once each
+            running.append(min(running[-1] if running else (INFEASIBLE, self.splits[0]), (self.pipeline(st, b), st)))
+        return running[i - 1]
 
 
 def _shapes(pool: Pool, costs: ModelCosts) -> list[tuple[int, int]]:
@@ -218,27 +232,36 @@ class _Option:
             transfers.append(transfers_line(costs, (kind.pool.link,) * (kind.depth - 1)))
         return pipelines_floor(costs, kinds, transfers, 1, m, global_batch) + self.sync_floor
 
-    def shares(self, total: int, exhaustive: bool) -> tuple[float, list[int], list[tuple]] | None:
+    def shares(
+        self, total: int, exhaustive: bool, beaten: float | None = None
+    ) -> tuple[float, list[int], list[tuple]] | None:
         """(step without the sync, micro-batch size per replica summing to ``total``, split per replica), or
         None if nothing fits.
 
         The step without the sync is ``max pipeline + max optimizer``. For each cap on the optimizer step
         (every split's is a candidate) each replica's best time is increasing in its micro-batch,
         so the greedy is exact under that cap; the best over caps is the optimum. ``exhaustive``
-        tries every share vector and every split of every replica instead."""
+        tries every share vector and every split of every replica instead. Given ``beaten``, the greedy stops
+        once its step without the sync must be above it (None then if no cap did better)."""
         if total < len(self.kinds):
             return None
-        return self._every(total) if exhaustive else self._greedy(total)
+        return self._every(total) if exhaustive else self._greedy(total, INFEASIBLE if beaten is None else beaten)
 
-    def _greedy(self, total: int) -> tuple[float, list[int], list[tuple]] | None:
+    def _greedy(self, total: int, beaten: float) -> tuple[float, list[int], list[tuple]] | None:
         best = None
+        # every replica's optimizer step is at least its kind's fastest: the step is at least a pipeline popped
+        # (the max only grows as replicas take more) plus the largest of those
+        optimizer_floor = max(min(k.optimizer.values()) for k in self.kinds)
         for cap in sorted({t for k in self.kinds for t in k.optimizer.values()}):
+            if cap < optimizer_floor:
+                continue  # some replica has no split this fast: nothing fits under this cap
+            limit = beaten if best is None else min(beaten, best[0])
             sizes = [1] * len(self.kinds)
             heap = [(k.best(2, cap)[0], i) for i, k in enumerate(self.kinds)]
             heapq.heapify(heap)
             for _ in range(total - len(sizes)):
                 t, i = heapq.heappop(heap)
-                if t == INFEASIBLE:
+                if t == INFEASIBLE or t + optimizer_floor > limit:
                     break
                 sizes[i] += 1
                 heapq.heappush(heap, (self.kinds[i].best(sizes[i] + 1, cap)[0], i))
@@ -293,7 +316,9 @@ def mixed_candidates(
                 option = _Option(kinds, replica_sync_floor(costs, link, r, most))
                 if beaten is not None and option.floor(costs, global_batch, m) > beaten:
                     continue
-                found = option.shares(global_batch // m, exhaustive)
+                found = option.shares(
+                    global_batch // m, exhaustive, None if beaten is None else beaten - option.sync_floor
+                )
                 if found is not None:
                     step, sizes, stages = found
                     plan, layout = _plan(cluster, costs, all_pools, kinds, sizes, stages)

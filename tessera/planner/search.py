@@ -149,6 +149,7 @@ class _Evaluator:
         self._ops: dict[int, list[tuple[float, float]]] = {}
         self._tail: list[float] | None = None
         self._max_b: dict[int, float] = {}
+        self.too_slow = False  # a share search stopped because its step would be above the bound it was given
 
     def _stage_memory(self, stage: int) -> tuple[float, float]:
         """A stage's bytes a device as (fixed, per-sample): affine in the micro-batch, and the units do not
@@ -259,17 +260,29 @@ class _Evaluator:
                 self._cache[key] = max(f + t for f, t in zip(finish, self.tail))
         return self._cache[key]
 
-    def shares(self, units_total: int) -> tuple[float, list[int]] | None:
-        """Greedy micro-batch sizes per replica summing to ``units_total``; (step, sizes) or None if nothing fits."""
+    def shares(self, units_total: int, beaten: float | None = None) -> tuple[float, list[int]] | None:
+        """Greedy micro-batch sizes per replica summing to ``units_total``; (step, sizes) or None if nothing fits
+        (or, given ``beaten``, once the step must exceed it: each replica's time only grows as it takes more,
+        so the step is at least every time popped)."""
         dp = self.base.dp
         if not self.holds(units_total):
             return None
+        if len(self.placed.kinds) == 1:  # alike replicas: the greedy deals the samples round, low ranks first
+            size = [units_total // dp + (r < units_total % dp) for r in range(dp)]
+            step = max(self.time(0, b) for b in set(size))
+            if step != INFEASIBLE and beaten is not None and step > beaten:
+                self.too_slow = True
+            return None if step == INFEASIBLE or self.too_slow else (step, size)
         size = [1] * dp
         heap = [(self.time(k, 2), k, r) for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs]
         heapq.heapify(heap)
+        limit = INFEASIBLE if beaten is None else beaten
         for _ in range(units_total - dp):
             t, k, r = heapq.heappop(heap)
             if t == INFEASIBLE:
+                return None
+            if t > limit:
+                self.too_slow = True
                 return None
             size[r] += 1
             heapq.heappush(heap, (self.time(k, size[r] + 1), k, r))
@@ -339,14 +352,14 @@ def search(
                 spent += per_placement // len(counts) if exact else 0  # judged: skipped ones cost next to nothing
                 for options in option_sets(dp, pp, tp):
                     beaten = _top_step(best, top)
-                    found = list(
-                        _best_splits(costs, placed, tp, m, options, global_batch // m, split_limit, memo, beaten)
+                    found, pruned = _best_splits(
+                        costs, placed, tp, m, options, global_batch // m, split_limit, memo, beaten, exact
                     )
                     for step, sizes, ev in found:
                         entry = (step, (index, i, next(counter)), (ev, sizes))  # ties: the earlier, simpler one
                         if (shape, m) not in best or entry < best[(shape, m)]:
                             best[(shape, m)] = entry
-                    if found and not exact:
+                    if (found or pruned) and not exact:
                         break  # options run from fastest to most frugal: the first that fits wins
     counts = tuple(m for m in microbatches if global_batch % m == 0)
     beaten = _top_step(best, top)
@@ -385,19 +398,39 @@ def _top_step(best: dict, top: int) -> float | None:
     return heapq.nsmallest(top, (entry[0] for entry in best.values()))[-1]
 
 
-def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limit, memo: dict, beaten=None):
-    """(step, sizes, evaluator) of the best shares for each layer split tried (when every split is, those
-    whose floor is above ``beaten`` are skipped unjudged)."""
+def _best_splits(
+    costs, placed: _Placed, tp, m, options, units_total, split_limit, memo: dict, beaten=None, every_option=True
+) -> tuple[list[tuple[float, list[int], _Evaluator]], bool]:
+    """(step, sizes, evaluator) of the best shares for each layer split tried, and whether a split that fits
+    was dropped for being slower than ``beaten`` once its shares were searched (when every split is tried,
+    those whose floor is above it are skipped unjudged, and a share search stops once its step must be above
+    it: the caller takes such a split as found). Unless the caller tries ``every_option``, a split skipped
+    by its floor is told apart from one stopped in its share search (the caller goes on to more frugal options
+    after the first, as when none fits), so alike replicas' splits get a floor too."""
     pp = len(placed.grid)
     if math.comb(costs.n_layers - 1, pp - 1) <= split_limit:
-        for stages in splits(costs.n_layers, pp):
+        # The caller keeps one plan per shape, so only the best split counts: splits are judged lowest floor
+        # first, each against the best so far, and the rest dropped once their floor is above it.
+        held = []
+        for order, stages in enumerate(splits(costs.n_layers, pp)):
             ev = _Evaluator(placed, costs, tp, m, stages, options, memo)
-            if beaten is not None and ev.holds(units_total) and ev.floor(units_total) > beaten:
-                continue
-            found = ev.shares(units_total)
-            if found is not None:
-                yield found[0], found[1], ev
-        return
+            if ev.holds(units_total):
+                judge = len(placed.kinds) > 1 or (beaten is not None and not every_option)
+                held.append((ev.floor(units_total) if judge else 0.0, order, ev))
+        best: tuple[float, int, list[int], _Evaluator] | None = None
+        pruned = False
+        for floor, order, ev in sorted(held, key=lambda h: h[:2]):
+            if beaten is not None and floor > beaten:
+                break  # (not "pruned": the caller goes on to the next options, as it does when none fits)
+            bound = beaten if best is None else best[0] if beaten is None else min(beaten, best[0])
+            if bound is not None and floor > bound:
+                break
+            shared = ev.shares(units_total, bound)
+            if shared is None:
+                pruned = pruned or ev.too_slow
+            elif best is None or (shared[0], order) < best[:2]:
+                best = (shared[0], order, shared[1], ev)
+        return ([(best[0], best[2], best[3])] if best is not None else []), pruned
     speeds = [sum(u.spec.peak_tflops for u in row) for row in placed.grid]
     tried: dict[tuple, _Trial] = {}
 
@@ -414,8 +447,7 @@ def _best_splits(costs, placed: _Placed, tp, m, options, units_total, split_limi
         if not trials or min(t.score for t in trials) >= best.score:
             break
         best = min(trials, key=lambda t: t.score)
-    if best.found is not None:
-        yield best.found[0], best.found[1], best.ev
+    return ([(best.found[0], best.found[1], best.ev)] if best.found is not None else []), False
 
 
 @dataclass(frozen=True)
