@@ -3,6 +3,8 @@
 ``TESSERA_FAULT`` takes one of:
     RANK:STEP                  that rank exits just before training step STEP (no report: a crash)
     hang:RANK:STEP:SECONDS     that rank stalls SECONDS before step STEP
+    meet:RANK:STEP:N:FOLDER    that rank waits before step STEP until N processes have reached this point
+                               (each leaves a file in FOLDER): groups started apart start together
     stop:RANK:STEP             that rank stops itself (SIGSTOP) before step STEP, as a frozen process would
     raise:RANK:STEP            that rank raises a RuntimeError before step STEP (an unexpected error)
     save:STEP                  every rank exits midway through saving the step-STEP checkpoint
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -42,10 +45,24 @@ def before_step(step: int) -> None:
             os._exit(13)
         if spec.startswith(f"hang:{rank}:{step}:"):
             time.sleep(float(spec.split(":")[3]))
+        if spec.startswith(f"meet:{rank}:{step}:"):
+            _meet(*spec.split(":", 4)[3:])
         if spec == f"stop:{rank}:{step}":
             os.kill(os.getpid(), signal.SIGSTOP)
         if spec == f"raise:{rank}:{step}":
             raise RuntimeError(f"injected fault (TESSERA_FAULT={spec})")
+
+
+def _meet(count: str, folder: str, timeout_s: float = 300.0) -> None:
+    """Leave this process's mark in ``folder`` and wait until ``count`` marks are there."""
+    here = Path(folder)
+    here.mkdir(parents=True, exist_ok=True)
+    (here / f"group{os.environ.get('TESSERA_GROUP', '')}-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(here.iterdir())) < int(count):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"injected meeting (TESSERA_FAULT meet) in {folder}: {count} never arrived")
+        time.sleep(0.05)
 
 
 def during_save(step: int) -> None:

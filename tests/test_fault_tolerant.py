@@ -246,14 +246,14 @@ def test_tessera_train_runs_each_group_as_a_job_and_a_crashed_group_rejoins(tmp_
     config = tiny_config(tmp_path / "runs", 24, 8, {"preset": "ddp", "groups": groups})
     config["train"]["log_every"] = 4
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
-    # Every group holds before step 1 until the others have started (a sync waits only for a group that is
+    # Every group waits before step 1 until the others have started (a sync waits only for a group that is
     # up: without this the first to start may sync alone and the crash come before they ever met); group
     # 1's rank 0 then crashes before step 7. Groups 0 and 2 hold again before step 9: a restart slower than
     # the Lighthouse's heartbeat timeout (a loaded machine) would otherwise find them done with all 24 steps.
     env = {
         **os.environ,
-        "TESSERA_FAULT": "group0:hang:0:1:5,group1:hang:0:1:5,group2:hang:0:1:5,group1:0:7,group0:hang:0:9:15,"
-        "group2:hang:0:9:15",
+        "TESSERA_FAULT": ",".join(f"group{g}:meet:0:1:3:{tmp_path / 'meet'}" for g in range(3))
+        + ",group1:0:7,group0:hang:0:9:15,group2:hang:0:9:15",
     }
     command = ["train", str(tmp_path / "ft.yaml"), "--nproc", "5", "--max-restarts", "1"]
     proc = subprocess.run(
@@ -349,7 +349,9 @@ def test_fault_tolerant_streaming_stopped_mid_transfer_resumes_and_matches_one_j
 
     def train(name: str, *more: str, file: str = "ft.yaml") -> None:  # groups hold before their first step
         command = [sys.executable, "-m", "tessera.cli", "train", str(tmp_path / file), "--nproc", "2", *more]
-        holds = ",".join(f"group{g}:hang:0:{step}:4" for g in (0, 1) for step in (1, 9))  # starts, and the resume
+        # both groups start together, and resume together: on a loaded machine one group could start later than
+        # its partner's first eight steps took, and sync them alone
+        holds = ",".join(f"group{g}:meet:0:{step}:2:{tmp_path / f'meet{step}'}" for g in (0, 1) for step in (1, 9))
         env = {**os.environ, "TESSERA_FAULT": holds} if file == "ft.yaml" else None
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
