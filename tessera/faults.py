@@ -46,22 +46,23 @@ def before_step(step: int) -> None:
         if spec.startswith(f"hang:{rank}:{step}:"):
             time.sleep(float(spec.split(":")[3]))
         if spec.startswith(f"meet:{rank}:{step}:"):
-            _meet(*spec.split(":", 4)[3:])
+            count, folder = spec.split(":", 4)[3:]
+            meet(int(count), Path(folder))
         if spec == f"stop:{rank}:{step}":
             os.kill(os.getpid(), signal.SIGSTOP)
         if spec == f"raise:{rank}:{step}":
             raise RuntimeError(f"injected fault (TESSERA_FAULT={spec})")
 
 
-def _meet(count: str, folder: str, timeout_s: float = 300.0) -> None:
-    """Leave this process's mark in ``folder`` and wait until ``count`` marks are there."""
-    here = Path(folder)
-    here.mkdir(parents=True, exist_ok=True)
-    (here / f"group{os.environ.get('TESSERA_GROUP', '')}-{os.getpid()}").touch()
+def meet(count: int, folder: Path, timeout_s: float = 300.0) -> None:
+    """Leave this process's mark in ``folder`` and wait until ``count`` processes have left theirs: processes
+    started apart (tests' groups) go on together. RuntimeError after ``timeout_s``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"group{os.environ.get('TESSERA_GROUP', '')}-{os.getpid()}").touch()
     deadline = time.monotonic() + timeout_s
-    while len(list(here.iterdir())) < int(count):
+    while len(list(folder.iterdir())) < count:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"injected meeting (TESSERA_FAULT meet) in {folder}: {count} never arrived")
+            raise RuntimeError(f"meeting in {folder}: {count} processes never arrived")
         time.sleep(0.05)
 
 

@@ -8,7 +8,7 @@ groups that follow a failure (a sync alone, or its own healing), so however long
 to come back, the other is still training; MAX_STEPS bounds it (exit 3: nobody came back).
 PACE: seconds slept per step. FT_START_STEP starts it at that inner step, as a group resumed from a
 checkpoint would; FT_SYNCS stops it after that many syncs; FT_START_TOGETHER (``g0_a,g1_a``) makes it wait
-for those groups to be up before its first step.
+for those groups (the same list in each) to be up before its first step.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tessera
 from tessera import traffic
 from tessera.across.outer import OuterSync
 from tessera.across.torchft import TorchftAcross
+from tessera.faults import meet
 from tessera.plan.groups import Groups
 
 GROUPS, GLOBAL_BATCH, H, SGD_LR, MAX_STEPS = 2, 8, 2, 0.1, 600
@@ -43,7 +44,7 @@ def main() -> None:
     across = TorchftAcross(group, lighthouse, timeout_s=20.0)
     outer = OuterSync(dict(model.named_parameters()), across, SPEC, [1 / GROUPS] * GROUPS, group)
     across.attach(outer)
-    _start_together(out, os.environ.get("FT_START_TOGETHER", ""), f"g{group}_{run}")
+    _start_together(out, os.environ.get("FT_START_TOGETHER", ""))
     outer.step = int(os.environ.get("FT_START_STEP", "0"))  # as a group resumed from a checkpoint at that step
     batches = list(global_batches(TokenData(), GLOBAL_BATCH, 64 // GLOBAL_BATCH))
     log = (out / f"g{group}.jsonl").open("a")
@@ -72,17 +73,11 @@ def main() -> None:
     across.shutdown()
 
 
-def _start_together(out: Path, names: str, me: str) -> None:
+def _start_together(out: Path, names: str) -> None:
     """Wait (after this group's torchft manager is up) until every group in ``names`` is up too: a group slow
-    to start would otherwise find the other's first syncs already taken alone (exit 4 after 120 s)."""
-    if not names:
-        return
-    (out / f"ready_{me}").touch()
-    deadline = time.monotonic() + 120
-    while not all((out / f"ready_{name}").exists() for name in names.split(",")):
-        if time.monotonic() > deadline:
-            sys.exit(4)
-        time.sleep(0.05)
+    to start would otherwise find the other's first syncs already taken alone (RuntimeError after 120 s)."""
+    if names:
+        meet(len(names.split(",")), out / f"together_{names}", timeout_s=120)
 
 
 if __name__ == "__main__":

@@ -270,9 +270,12 @@ class _Evaluator:
         if len(self.placed.kinds) == 1:  # alike replicas: the greedy deals the samples round, low ranks first
             size = [units_total // dp + (r < units_total % dp) for r in range(dp)]
             step = max(self.time(0, b) for b in set(size))
-            if step != INFEASIBLE and beaten is not None and step > beaten:
+            if step == INFEASIBLE:
+                return None
+            if beaten is not None and step > beaten:
                 self.too_slow = True
-            return None if step == INFEASIBLE or self.too_slow else (step, size)
+                return None
+            return step, size
         size = [1] * dp
         heap = [(self.time(k, 2), k, r) for k, (_, _, rs) in enumerate(self.placed.kinds) for r in rs]
         heapq.heapify(heap)
@@ -420,11 +423,10 @@ def _best_splits(
         best: tuple[float, int, list[int], _Evaluator] | None = None
         pruned = False
         for floor, order, ev in sorted(held, key=lambda h: h[:2]):
-            if beaten is not None and floor > beaten:
-                break  # (not "pruned": the caller goes on to the next options, as it does when none fits)
-            bound = beaten if best is None else best[0] if beaten is None else min(beaten, best[0])
+            bounds = [b for b in (beaten, None if best is None else best[0]) if b is not None]
+            bound = min(bounds) if bounds else None
             if bound is not None and floor > bound:
-                break
+                break  # (not "pruned": skipped by floors alone, the caller goes on to the next options)
             shared = ev.shares(units_total, bound)
             if shared is None:
                 pruned = pruned or ev.too_slow
